@@ -1,0 +1,14 @@
+"""autorecompute: fit PyTorch training into an absolute memory budget.
+
+    >>> import autorecompute
+    >>> autorecompute.parse_budget("12GB")
+    12000000000
+"""
+from autorecompute.api import CompiledModule, compile, plan
+from autorecompute.budget import format_bytes, parse_budget
+from autorecompute.errors import AutorecomputeError, CaptureError, InfeasibleBudgetError
+from autorecompute.plan import Plan
+
+__all__ = ["compile", "plan", "parse_budget", "format_bytes", "Plan", "CompiledModule",
+           "InfeasibleBudgetError", "CaptureError", "AutorecomputeError"]
+__version__ = "0.1.0"

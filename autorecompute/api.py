@@ -1,0 +1,165 @@
+"""Public entry points: :func:`compile` and :func:`plan`."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from autorecompute.budget import parse_budget
+from autorecompute.plan import Plan
+from autorecompute.planner import Planned, PlannerOptions, make_plan
+
+log = logging.getLogger("autorecompute")
+if os.environ.get("AUTORECOMPUTE_LOG"):
+    logging.basicConfig()
+    log.setLevel(os.environ["AUTORECOMPUTE_LOG"].upper())
+
+
+def input_signature(args: tuple, kwargs: dict) -> str:
+    """What a plan depends on: shapes, dtypes, devices, requires_grad of tensors; other values by repr."""
+    flat, spec = tree_flatten((args, kwargs))
+    parts = []
+    for value in flat:
+        if isinstance(value, torch.Tensor):
+            grad = ",grad" if value.requires_grad else ""
+            parts.append(f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}@{value.device}{grad}")
+        else:
+            parts.append(repr(value))
+    return f"({', '.join(parts)}) {spec}"
+
+
+class CompiledModule(torch.nn.Module):
+    """``model`` with a memory plan per input signature. Made by :func:`compile`.
+
+    It shares the model's parameters, buffers and submodules (same objects, same ``state_dict`` keys), and
+    passes ``train()`` / ``eval()`` through. In eval mode, under ``torch.no_grad()``, or when nothing
+    requires grad, it runs the original model.
+    """
+
+    def __init__(self, model: torch.nn.Module, budget, options: PlannerOptions):
+        super().__init__()
+        # Share the model's state dicts themselves: parameters(), state_dict() and optimizers see the
+        # same objects under the same names as on the model.
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+        self._modules = model._modules
+        self.__dict__["_model"] = model
+        self.__dict__["_budget"] = budget
+        self.__dict__["_options"] = options
+        self.__dict__["_plans"] = {}
+        self.__dict__["_last"] = None
+        self.training = model.training
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The original model."""
+        return self._model
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the most recent input signature (None before the first training call)."""
+        return self._last.plan if self._last else None
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule | None:
+        """The rewritten GraphModule of the most recent input signature."""
+        return self._last.module if self._last else None
+
+    @property
+    def plans(self) -> dict[str, Plan]:
+        """Every plan made so far, by input signature."""
+        return {sig: planned.plan for sig, planned in self._plans.items()}
+
+    def train(self, mode: bool = True) -> "CompiledModule":
+        self._model.train(mode)
+        self.training = mode
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_model"], name)
+
+    def _wants_plan(self, args: tuple, kwargs: dict) -> bool:
+        if not (self._model.training and torch.is_grad_enabled()):
+            return False
+        if any(p.requires_grad for p in self._model.parameters()):
+            return True
+        flat, _ = tree_flatten((args, kwargs))
+        return any(isinstance(v, torch.Tensor) and v.requires_grad for v in flat)
+
+    def prepare(self, *args, **kwargs) -> Plan:
+        """Plans for these inputs now (as the first training call would) without running a step."""
+        return self._planned(args, kwargs).plan
+
+    def _planned(self, args: tuple, kwargs: dict) -> Planned:
+        signature = input_signature(args, kwargs)
+        planned = self._plans.get(signature)
+        if planned is None:
+            log.info("planning %s for %s", type(self._model).__name__, signature)
+            with torch.random.fork_rng(devices=[]):   # planning must not move the user's RNG stream
+                planned = make_plan(self._model, args, kwargs, self._budget, self._options, signature)
+            self._plans[signature] = planned
+        self.__dict__["_last"] = planned
+        return planned
+
+    def forward(self, *args, **kwargs):
+        if not self._wants_plan(args, kwargs):
+            return self._model(*args, **kwargs)
+        return self._planned(args, kwargs).module(*args, **kwargs)
+
+
+def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple[str, ...] = ("recompute",),
+            solver_time_limit: float = 4.0, seed: int = 0) -> CompiledModule:
+    """Wraps ``model`` so each training step fits in ``budget`` bytes, planning lazily per input signature.
+
+    Args:
+        model: the module to train. Its parameters and buffers are shared, not copied.
+        budget: an int of bytes, a string such as ``"12GB"`` / ``"1.5GiB"``, or a float in (0, 1] meaning
+            that fraction of the unoptimized peak. It bounds everything live on the device from the start
+            of forward to the end of backward: parameters, buffers, inputs, existing gradients, activations,
+            temporaries and the gradients produced.
+        actions: what the solver may use besides keeping a tensor; currently ``("recompute",)``.
+        solver_time_limit: CP-SAT deterministic time per solve (about seconds); the best plan found by then
+            is used.
+        seed: CP-SAT's seed: same model, inputs and seed give the same plan.
+
+    Example:
+        >>> import autorecompute, torch
+        >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh())
+        ...                               for _ in range(8)])
+        >>> opt = autorecompute.compile(model, budget=0.8)
+        >>> opt(torch.randn(512, 256)).sum().backward()
+        >>> opt.plan.predicted_peak <= opt.plan.budget
+        True
+
+    Raises:
+        ValueError: for a malformed budget or unknown action (at once).
+        autorecompute.InfeasibleBudgetError: on the first training call, if no plan fits.
+        autorecompute.CaptureError: on the first training call, if the model cannot be captured.
+    """
+    parse_budget(budget)
+    options = PlannerOptions(actions=tuple(actions), solver_time_limit=solver_time_limit, seed=seed)
+    return CompiledModule(model, budget, options)
+
+
+def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tuple[str, ...] = ("recompute",),
+         solver_time_limit: float = 4.0, seed: int = 0, **kwargs) -> Plan:
+    """Plans ``model`` for the example inputs without running a training step.
+
+    Inputs and model may live on the ``meta`` device: planning runs on fake tensors and allocates nothing.
+
+    Example:
+        >>> import autorecompute, torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+        >>> p = autorecompute.plan(model, torch.randn(32, 64), budget="1GB")
+        >>> p.count("recompute")
+        0
+    """
+    options = PlannerOptions(actions=tuple(actions), solver_time_limit=solver_time_limit, seed=seed)
+    planned: Planned = make_plan(model, args, kwargs, budget, options, input_signature(args, kwargs))
+    return planned.plan

@@ -1,0 +1,38 @@
+"""Typed errors. Each message names the cause and the way out."""
+from __future__ import annotations
+
+from autorecompute.budget import format_bytes
+
+
+class AutorecomputeError(Exception):
+    """Base class of this package's errors."""
+
+
+class CaptureError(AutorecomputeError, RuntimeError):
+    """The model could not be captured as a graph by ``torch.export``."""
+
+
+class InfeasibleBudgetError(AutorecomputeError, ValueError):
+    """No plan with the allowed actions fits the budget.
+
+    Attributes:
+        budget: the budget asked for, in bytes.
+        minimum: the smallest budget that works, in bytes (pass it back to ``compile``).
+        breakdown: bytes by kind at the minimum peak (parameters, buffers, inputs, gradients, activations).
+    """
+
+    def __init__(self, budget: int, minimum: int, breakdown: dict[str, int], actions: tuple[str, ...]):
+        self.budget = budget
+        self.minimum = minimum
+        self.breakdown = dict(breakdown)
+        rows = "\n".join(f"    {kind:<12} {format_bytes(n):>12}" for kind, n in breakdown.items())
+        super().__init__(
+            f"budget {format_bytes(budget)} is below the minimum peak {format_bytes(minimum)} "
+            f"({minimum} bytes) reachable with actions {actions}.\n"
+            f"  The minimum peak is made of:\n{rows}\n"
+            f"  Fix: pass budget>={minimum}, or allow more actions (e.g. actions=('recompute', 'offload')), "
+            f"or shrink the batch.")
+
+
+class SolverError(AutorecomputeError, RuntimeError):
+    """The solver failed in a way that is a bug in autorecompute: please report it."""

@@ -1,0 +1,118 @@
+"""The memory model: the predicted memory at every position of the step for a set of decisions.
+
+This is the simulator the CP-SAT model encodes (``solvers/cpsat.py`` must agree with it exactly; a test
+checks both on every assignment of small problems). Regions are the maximal runs of recomputed ops in
+``problem.chain``. For an activation ``t`` owned by op ``o``:
+
+* ``t`` is *held by autograd* after its last forward use while a saver of ``t`` is not recomputed, until
+  the last saver's backward (``save_end``);
+* ``t`` is *held as a region input* when a recomputed reader of ``t`` lies in another region than ``o``
+  (or ``o`` is kept): the checkpoint keeps its inputs until the region's backward is done (``read_end``);
+  being held as an input also keeps it over ``[hold_start, save_end]``;
+* when ``o``'s region is recomputed in backward, ``t`` is materialized again and lives until its earliest
+  saver's backward: at the backward of op ``j`` it counts iff ``o`` and ``j`` are in one region and the
+  earliest saver of ``t`` is at or before ``j`` in the chain.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from autorecompute.problem import Problem
+
+
+def region_ids(problem: Problem, recompute: Mapping[str, bool]) -> list[int]:
+    """For each chain position, the id of its recomputed region, or -1 when the op is kept."""
+    ids, current, previous_on = [], -1, False
+    for op in problem.chain:
+        on = bool(recompute.get(op, False)) and op in problem.recomputable
+        if on and not previous_on:
+            current += 1
+        ids.append(current if on else -1)
+        previous_on = on
+    return ids
+
+
+def memory_timeline(problem: Problem, recompute: Mapping[str, bool]) -> list[int]:
+    """Predicted bytes at every position for the decisions ``recompute`` (op → bool).
+
+    Example:
+        >>> from autorecompute.problem import Activation, Problem
+        >>> act = Activation("h", owner="fc", nbytes=100, hold_start=2, savers=("act",), readers=("act",),
+        ...                  save_end=3, read_end=3)
+        >>> problem = Problem(chain=("fc", "act"), recomputable=frozenset({"fc"}), cost={"fc": 1, "act": 1},
+        ...                   flops={}, activations=(act,), fixed=(10, 10, 10, 10), num_forward=2)
+        >>> memory_timeline(problem, {"fc": False}), memory_timeline(problem, {"fc": True})
+        ([10, 10, 110, 110], [10, 10, 110, 110])
+    """
+    index = problem.index()
+    first_saver = _first_savers(problem, index)
+    region = region_ids(problem, recompute)
+    delta = [0] * (problem.num_positions + 1)
+    remat_delta = [0] * (len(problem.chain) + 1)
+
+    def add(start: int, end: int, nbytes: int) -> None:
+        if end >= start:
+            delta[start] += nbytes
+            delta[end + 1] -= nbytes
+
+    for act in problem.activations:
+        owner_region = region[index[act.owner]] if act.owner in index else -1
+        as_input = any(region[index[c]] >= 0 and region[index[c]] != owner_region for c in act.readers
+                       if c in index)
+        by_saver = any(region[index[s]] < 0 if s in index else True for s in act.savers)
+        if act.savers and (by_saver or as_input):
+            add(act.hold_start, act.save_end, act.nbytes)
+        if as_input:
+            add(max(act.hold_start, act.save_end + 1), act.read_end, act.nbytes)
+        first = first_saver.get(act.name)
+        if owner_region >= 0 and first is not None and index[first] >= index[act.owner]:
+            # alive at the backward of every op from the earliest saver to the end of the owner's region
+            end = index[act.owner]
+            while end + 1 < len(region) and region[end + 1] == owner_region:
+                end += 1
+            if index[first] <= end:
+                remat_delta[index[first]] += act.nbytes
+                remat_delta[end + 1] -= act.nbytes
+
+    remat, running = [], 0
+    for i in range(len(problem.chain)):
+        running += remat_delta[i]
+        remat.append(running)
+    memory, running = [], 0
+    for p in range(problem.num_positions):
+        running += delta[p]
+        level = problem.fixed[p] + running
+        op = problem.backward_op.get(p)
+        if op is not None and op in index:
+            level += remat[index[op]]
+        memory.append(level)
+    return memory
+
+
+def _first_savers(problem: Problem, index: Mapping[str, int]) -> dict[str, str | None]:
+    cached = _FIRST_SAVERS.get(id(problem))
+    if cached is None or cached[0] is not problem:
+        savers = {}
+        for act in problem.activations:
+            in_chain = [s for s in act.savers if s in index]
+            savers[act.name] = min(in_chain, key=index.__getitem__) if in_chain else None
+        cached = _FIRST_SAVERS[id(problem)] = (problem, savers)
+    return cached[1]
+
+
+_FIRST_SAVERS: dict[int, tuple[Problem, dict]] = {}
+
+
+def predicted_peak(problem: Problem, recompute: Mapping[str, bool]) -> int:
+    """Highest predicted bytes over the step."""
+    return max(memory_timeline(problem, recompute))
+
+
+def extra_flops(problem: Problem, recompute: Mapping[str, bool]) -> int:
+    """FLOPs run again in backward."""
+    return sum(problem.flops.get(op, 0) for op, on in recompute.items() if on and op in problem.recomputable)
+
+
+def extra_cost(problem: Problem, recompute: Mapping[str, bool]) -> int:
+    """The solver's objective: summed recompute cost."""
+    return sum(problem.cost[op] for op, on in recompute.items() if on and op in problem.recomputable)

@@ -1,0 +1,139 @@
+"""The Plan: the only thing the solver hands to the rewriter, and what users read.
+
+A frozen, JSON-serializable record keyed by node name. ``decisions`` maps every op the solver could act on
+to ``"keep"`` or ``"recompute"``; ``nodes`` carries what a person needs to read it (shape, dtype, bytes,
+module path, FLOPs).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from autorecompute.budget import format_bytes
+
+SCHEMA_VERSION = 1
+ACTIONS = ("keep", "recompute", "offload", "compress")
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """One op of the plan, for people: what it makes and where it comes from."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int          # bytes the op allocates in forward
+    held_bytes: int      # of those, bytes autograd keeps for backward when everything is kept
+    flops: int
+    module: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A memory plan for one input signature of one model.
+
+    Attributes:
+        budget: bytes the step must fit in.
+        predicted_peak: peak of the rewritten module's step, measured on fake tensors (exact up to kernel
+            scratch memory).
+        baseline_peak: peak with nothing recomputed (same measurement).
+        minimum_peak: lowest peak the solver reached with the allowed actions (verified the same way).
+        model_peak: the solver's own memory-model estimate of this plan's peak.
+        decisions: node name → "keep" / "recompute".
+        extra_flops: FLOPs recomputed in backward; ``baseline_flops`` the FLOPs of the forward.
+        solver_status / solver_time / solver_gap: CP-SAT's status, seconds and relative optimality gap of
+            the cost solve ("trivial" when nothing had to be recomputed, "fallback" when the minimum-peak
+            plan was used).
+        plan_time: seconds from capture to verified plan.
+        resident: bytes live at the start of the step (parameters, buffers, inputs, gradients).
+        signature: the input signature this plan is for.
+    """
+
+    budget: int
+    predicted_peak: int
+    baseline_peak: int
+    minimum_peak: int
+    model_peak: int
+    decisions: dict[str, str]
+    extra_flops: int
+    baseline_flops: int
+    solver_status: str
+    solver_time: float
+    solver_gap: float
+    plan_time: float
+    actions: tuple[str, ...] = ("recompute",)
+    resident: dict[str, int] = field(default_factory=dict)
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    model_name: str = ""
+    signature: str = ""
+
+    # ---- queries -------------------------------------------------------------------------------------
+    def count(self, action: str) -> int:
+        """Number of ops with ``action``."""
+        return sum(1 for a in self.decisions.values() if a == action)
+
+    @property
+    def extra_flops_ratio(self) -> float:
+        """Recomputed FLOPs over forward FLOPs."""
+        return self.extra_flops / self.baseline_flops if self.baseline_flops else 0.0
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per decided op, in graph order: name, module, shape, dtype, bytes, held bytes, action."""
+        rows = []
+        for name, action in self.decisions.items():
+            node = self.nodes.get(name)
+            rows.append({"name": name, "action": action, "module": node.module if node else "",
+                         "shape": tuple(node.shape) if node else (), "dtype": node.dtype if node else "",
+                         "bytes": node.nbytes if node else 0, "held_bytes": node.held_bytes if node else 0,
+                         "flops": node.flops if node else 0})
+        return rows
+
+    # ---- serialization -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["schema_version"] = SCHEMA_VERSION
+        return data
+
+    def to_json(self, indent: int | None = 1) -> str:
+        """JSON text; :meth:`from_json` reads it back into an equal Plan."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        data = json.loads(text)
+        version = data.pop("schema_version", None)
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"plan JSON has schema_version {version!r}; this autorecompute reads "
+                             f"{SCHEMA_VERSION}")
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
+        data["actions"] = tuple(data.get("actions", ()))
+        data["nodes"] = {k: NodeRecord(**{**v, "shape": tuple(v["shape"])}) for k, v in data["nodes"].items()}
+        return cls(**data)
+
+    # ---- reading ---------------------------------------------------------------------------------------
+    def summary(self) -> str:
+        fits = "fits" if self.predicted_peak <= self.budget else "OVER BUDGET"
+        return "\n".join([
+            f"autorecompute plan for {self.model_name or 'model'} {self.signature}",
+            f"  budget          {format_bytes(self.budget):>12}   predicted peak {format_bytes(self.predicted_peak)}"
+            f" ({fits})",
+            f"  baseline peak   {format_bytes(self.baseline_peak):>12}   minimum peak   "
+            f"{format_bytes(self.minimum_peak)}",
+            f"  resident        " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.resident.items() if v),
+            f"  recompute       {self.count('recompute')} of {len(self.decisions)} ops, extra FLOPs "
+            f"{self.extra_flops:.3g} ({100 * self.extra_flops_ratio:.1f}% of forward)",
+            f"  solver          {self.solver_status}, {self.solver_time:.2f} s, gap {100 * self.solver_gap:.1f}%"
+            f"; plan made in {self.plan_time:.2f} s",
+        ])
+
+    def __str__(self) -> str:
+        from autorecompute.report import format_table
+
+        return self.summary() + "\n" + format_table(self)
+
+    def to_dot(self) -> str:
+        """Graphviz DOT of the decided ops, colored by action."""
+        from autorecompute.report import plan_to_dot
+
+        return plan_to_dot(self)

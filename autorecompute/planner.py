@@ -1,0 +1,174 @@
+"""The planning pipeline for one input signature: capture → profile → problem → solve → rewrite → verify.
+
+Every candidate plan is rewritten and its step re-measured on fake tensors; if the memory model was
+optimistic the solver runs again under a tighter internal budget, and the verified minimum-peak plan is the
+fallback. A returned plan therefore never predicts more than its budget.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from autorecompute.budget import parse_budget, resolve_budget
+from autorecompute.errors import InfeasibleBudgetError
+from autorecompute.memory_model import extra_cost, extra_flops, predicted_peak
+from autorecompute.passes.build_problem import build_problem
+from autorecompute.passes.capture import capture
+from autorecompute.passes.profile import node_info, step_profile, profile_step
+from autorecompute.passes.rewrite_recompute import rewrite_recompute
+from autorecompute.passes.verify import fake_step_memory
+from autorecompute.plan import NodeRecord, Plan
+from autorecompute.problem import Problem
+from autorecompute.solvers import cpsat, greedy
+
+log = logging.getLogger("autorecompute")
+
+SUPPORTED_ACTIONS = ("recompute",)
+MAX_TIGHTENINGS = 4
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """Knobs of the planner, validated once at ``compile``/``plan`` time."""
+
+    actions: tuple[str, ...] = ("recompute",)
+    solver_time_limit: float = 4.0
+    seed: int = 0
+
+    def __post_init__(self):
+        unknown = [a for a in self.actions if a not in SUPPORTED_ACTIONS]
+        if unknown or not self.actions:
+            raise ValueError(f"actions={self.actions!r}: unknown {unknown}; accepted actions are "
+                             f"{SUPPORTED_ACTIONS} ('keep' is always allowed)")
+        if not self.solver_time_limit > 0:
+            raise ValueError(f"solver_time_limit={self.solver_time_limit!r} must be > 0 seconds")
+
+
+@dataclass
+class Planned:
+    """A plan and the GraphModule that carries it out."""
+
+    plan: Plan
+    module: torch.fx.GraphModule
+
+
+def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph, sharing its parameters and buffers."""
+    graph = torch.fx.Graph()
+    output = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    if isinstance(output, tuple):
+        output_value, _ = output
+        graph.output(output_value)
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    clone = torch.fx.GraphModule(gm, graph)
+    clone.meta = dict(gm.meta)
+    return clone
+
+
+def _keep_all(problem: Problem) -> dict[str, bool]:
+    return {op: False for op in problem.chain if op in problem.recomputable}
+
+
+def _decisions(problem: Problem, recompute: dict[str, bool]) -> dict[str, str]:
+    return {op: ("recompute" if recompute.get(op) else "keep") for op in problem.chain if op in problem.recomputable}
+
+
+def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options: PlannerOptions,
+              signature: str = "") -> Planned:
+    """Plans ``model`` for inputs ``(args, kwargs)`` under ``budget`` (see :func:`autorecompute.compile`)."""
+    started = time.perf_counter()
+    parsed = parse_budget(budget)
+    gm = capture(model, args, kwargs)
+    log.debug("capture: %.2f s, %d nodes", time.perf_counter() - started, len(gm.graph.nodes))
+    t = time.perf_counter()
+    profile = profile_step(gm, args, kwargs)
+    problem = build_problem(gm)
+    log.debug("profile + problem: %.2f s, %d ops in chain, %d recomputable, %d activations",
+              time.perf_counter() - t, len(problem.chain), len(problem.recomputable), len(problem.activations))
+    baseline_peak = profile.peak
+    budget_bytes = resolve_budget(parsed, baseline_peak)
+
+    def verify(recompute: dict[str, bool]) -> tuple[torch.fx.GraphModule, int]:
+        candidate = rewrite_recompute(clone_graph_module(gm), _decisions(problem, recompute))
+        return candidate, fake_step_memory(candidate, args, kwargs).peak
+
+    # 1. The lowest peak reachable: the minimum budget, the fallback, and the hint of the cost solve.
+    t = time.perf_counter()
+    heuristic = greedy.lowest_peak(problem)
+    lowest = cpsat.solve(problem, minimize="peak", time_limit=options.solver_time_limit / 2, seed=options.seed,
+                         hint=heuristic)
+    minimum_recompute = min([r for r in (lowest.recompute, heuristic) if r is not None],
+                            key=lambda r: (predicted_peak(problem, r), extra_cost(problem, r)))
+    minimum_module, minimum_peak = verify(minimum_recompute)
+    if minimum_peak >= baseline_peak:
+        minimum_recompute, minimum_module, minimum_peak = _keep_all(problem), gm, baseline_peak
+    log.debug("minimum peak %d (model %d, verified), %s in %.2f s", minimum_peak,
+              predicted_peak(problem, minimum_recompute), lowest.status, time.perf_counter() - t)
+    if budget_bytes < minimum_peak:
+        raise InfeasibleBudgetError(budget_bytes, minimum_peak, _breakdown(profile, minimum_peak), options.actions)
+
+    # 2. The cheapest plan under the budget, re-solved under a tighter internal budget while verification
+    #    finds the model optimistic.
+    if budget_bytes >= baseline_peak:
+        chosen, module, peak, status, solve_time, gap = _keep_all(problem), gm, baseline_peak, "trivial", 0.0, 0.0
+    else:
+        chosen, module, peak = minimum_recompute, minimum_module, minimum_peak
+        status, solve_time, gap = "fallback", lowest.wall_time, lowest.gap
+        internal = budget_bytes
+        for _ in range(MAX_TIGHTENINGS):
+            hint = greedy.cheapest_under(problem, internal) or minimum_recompute
+            result = cpsat.solve(problem, budget=internal, minimize="cost", time_limit=options.solver_time_limit,
+                                 seed=options.seed, hint=hint)
+            solve_time += result.wall_time
+            if result.recompute is None:
+                break
+            candidate, candidate_peak = verify(result.recompute)
+            log.debug("cost solve under %d: %s, model peak %d, verified %d", internal, result.status,
+                      predicted_peak(problem, result.recompute), candidate_peak)
+            if candidate_peak <= budget_bytes:
+                chosen, module, peak, status, gap = result.recompute, candidate, candidate_peak, result.status, result.gap
+                break
+            internal -= candidate_peak - budget_bytes + max(1, (budget_bytes - minimum_peak) // 16)
+            if internal < predicted_peak(problem, minimum_recompute):
+                break   # tighter than the model's own minimum: the minimum-peak plan is the answer
+
+    plan = Plan(
+        budget=budget_bytes, predicted_peak=peak, baseline_peak=baseline_peak, minimum_peak=minimum_peak,
+        model_peak=predicted_peak(problem, chosen), decisions=_decisions(problem, chosen),
+        extra_flops=extra_flops(problem, chosen), baseline_flops=sum(problem.flops.values()),
+        solver_status=status, solver_time=solve_time, solver_gap=gap,
+        plan_time=time.perf_counter() - started, actions=options.actions, resident=dict(profile.resident),
+        nodes=_node_records(gm, problem), model_name=type(model).__name__, signature=signature)
+    log.debug("plan: %s", plan.summary())
+    return Planned(plan=plan, module=module)
+
+
+def _breakdown(profile, minimum_peak: int) -> dict[str, int]:
+    rows = {k: v for k, v in profile.resident.items()}
+    rows["new gradients"] = profile.parameter_grad_bytes
+    rows["activations"] = max(0, minimum_peak - sum(rows.values()))
+    return rows
+
+
+def _node_records(gm: torch.fx.GraphModule, problem: Problem) -> dict[str, NodeRecord]:
+    profile = step_profile(gm)
+    held: dict[str, int] = {}
+    for act in problem.activations:
+        if act.savers:
+            held[act.owner] = held.get(act.owner, 0) + act.nbytes
+    records = {}
+    for node in gm.graph.nodes:
+        if node.name not in problem.recomputable:
+            continue
+        info = node_info(node)
+        first = profile.tensors[info.creates[0]] if info.creates else None
+        records[node.name] = NodeRecord(
+            shape=tuple(first.shape) if first else (), dtype=first.dtype if first else "",
+            nbytes=sum(profile.tensors[c].nbytes for c in info.creates), held_bytes=held.get(node.name, 0),
+            flops=info.flops, module=info.module_path)
+    return records

@@ -1,0 +1,70 @@
+"""The planning problem as pure data: no FX node, no tensor — names and integers.
+
+A :class:`Problem` is what the solvers see. It is built from a profiled graph by
+:func:`autorecompute.passes.problem_from_graph.build_problem`, or by hand in tests.
+
+Timeline: positions ``0 .. num_forward-1`` are the forward ops in order, then one position per backward
+event (the backward of an op, in the order autograd ran them). ``fixed[p]`` is the memory at ``p`` that no
+decision changes (parameters, inputs, gradients, activations during their forward life, temporaries),
+calibrated so that the all-keep plan reproduces the measured peak at every position.
+
+Decisions: ``r[op] = 1`` puts op in a recomputed region (regions are maximal runs of consecutive recomputed
+ops in ``chain`` order); see docs/architecture.md for the memory rules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Activation:
+    """A tensor created in forward whose lifetime after forward the plan decides.
+
+    Attributes:
+        name: tensor name (for people).
+        owner: chain op that allocates it.
+        nbytes: size.
+        hold_start: first position after its last forward use.
+        savers: ops whose backward saved it (kept by autograd while any of them is kept).
+        readers: chain ops that read it in forward (a recomputed reader's region holds it as an input).
+        save_end: last position any saver needs it (a backward position), or -1 without savers.
+        read_end: last position a recomputed reader's region may hold it.
+    """
+
+    name: str
+    owner: str
+    nbytes: int
+    hold_start: int
+    savers: tuple[str, ...]
+    readers: tuple[str, ...]
+    save_end: int
+    read_end: int
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a solver needs; see the module docstring."""
+
+    chain: tuple[str, ...]                       # ops in forward order (regions are runs of it)
+    recomputable: frozenset[str]                 # ops the solver may recompute
+    cost: dict[str, int]                         # relative cost of recomputing each op (> 0)
+    flops: dict[str, int]                        # FLOPs of each op (reported as extra FLOPs)
+    activations: tuple[Activation, ...]
+    fixed: tuple[int, ...]                       # per position
+    num_forward: int
+    backward_op: dict[int, str] = field(default_factory=dict)   # backward position → op
+    bytes_at_rest: dict[str, int] = field(default_factory=dict)  # resident breakdown, for reports
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.fixed)
+
+    def index(self) -> dict[str, int]:
+        """Chain position of each op."""
+        return {op: i for i, op in enumerate(self.chain)}
+
+    def min_saver(self, activation: Activation) -> str | None:
+        """The saver whose backward runs last (earliest in the chain): the recomputed copy lives until then."""
+        index = self.index()
+        in_chain = [s for s in activation.savers if s in index]
+        return min(in_chain, key=index.__getitem__) if in_chain else None

@@ -1,0 +1,56 @@
+"""Runtime of recomputed regions: non-reentrant ``torch.utils.checkpoint`` around a region GraphModule.
+
+The region's forward runs once in forward without saving anything for backward; when backward first needs
+one of its saved tensors the region runs again (RNG state replayed, so dropout masks match) and the
+recomputed tensors are handed to autograd one by one.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+class CheckpointRegion(torch.nn.Module):
+    """Runs ``body(recomputing, *inputs)`` under non-reentrant activation checkpointing.
+
+    ``recomputing`` is False in forward and True when the region is recomputed in backward: ops that
+    update state (training-mode BatchNorm's running statistics) use it to update exactly once.
+
+    Example:
+        >>> import torch.fx
+        >>> region = CheckpointRegion(torch.fx.symbolic_trace(lambda recomputing, x: (x.sin().cos(),)),
+        ...                           preserve_rng_state=False)
+        >>> x = torch.randn(4, requires_grad=True)
+        >>> region(x)[0].sum().backward()
+        >>> torch.allclose(x.grad, -x.cos().sin() * x.cos())
+        True
+    """
+
+    def __init__(self, body: torch.nn.Module, preserve_rng_state: bool):
+        super().__init__()
+        self.body = body
+        self.preserve_rng_state = preserve_rng_state
+
+    def forward(self, *inputs):
+        calls = 0
+
+        def run(*args):
+            nonlocal calls
+            recomputing = calls > 0
+            calls += 1
+            return self.body(recomputing, *args)
+
+        return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=self.preserve_rng_state)
+
+
+def batch_norm_once(recomputing: bool, input, weight, bias, running_mean, running_var, training: bool,
+                    momentum: float, eps: float, cudnn_enabled: bool):
+    """``aten.batch_norm`` that updates running statistics in forward only, not when recomputed.
+
+    In training mode the output depends on batch statistics alone, so dropping the running buffers on the
+    recomputation gives bit-identical values and leaves the buffers updated once, as eager does.
+    """
+    if recomputing and training:
+        running_mean = running_var = None
+    return torch.ops.aten.batch_norm.default(input, weight, bias, running_mean, running_var, training,
+                                             momentum, eps, cudnn_enabled)

@@ -1,0 +1,220 @@
+"""CP-SAT model of the planning problem (OR-Tools), encoding ``memory_model`` exactly.
+
+Data → variables → constraints → objective → solve → extract, in the manner of OR-Tools' own examples.
+Integers only: bytes are divided by a unit (rounded so that the model never under-counts).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+from ortools.sat.python import cp_model
+
+from autorecompute.problem import Problem
+
+_STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible",
+           cp_model.MODEL_INVALID: "invalid", cp_model.UNKNOWN: "unknown"}
+
+
+@dataclass(frozen=True)
+class SolverResult:
+    """What one CP-SAT solve returns.
+
+    Attributes:
+        recompute: op → bool, or None when no solution was found.
+        status: "optimal", "feasible", "infeasible" or "unknown" (time limit before any solution).
+        objective: value of the objective in model units (cost, or bytes for the peak objective).
+        bound: best proven bound on the objective.
+        gap: relative optimality gap ``(objective - bound) / objective`` (0 when optimal).
+        wall_time: seconds spent in the solver.
+    """
+
+    recompute: dict[str, bool] | None
+    status: str
+    objective: float
+    bound: float
+    gap: float
+    wall_time: float
+
+
+def byte_unit(problem: Problem) -> int:
+    """Divisor for bytes: keeps the largest memory figure near 2**22 so the model stays small-integer."""
+    largest = max(max(problem.fixed, default=0), sum(a.nbytes for a in problem.activations), 1)
+    return max(1, largest >> 22)
+
+
+def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost", time_limit: float = 5.0,
+          seed: int = 0, hint: Mapping[str, bool] | None = None, workers: int = 2) -> SolverResult:
+    """Solves ``problem``.
+
+    Args:
+        budget: bytes every position must stay under (required for ``minimize="cost"``).
+        minimize: ``"cost"`` — least recompute cost under ``budget``; ``"peak"`` — least predicted peak
+            (then least cost), ``budget`` optional.
+        time_limit: seconds; the best solution found is returned when it is hit.
+        seed: random seed (same problem and seed → same plan).
+        hint: a starting solution (op → bool).
+        workers: search workers, interleaved so the search is deterministic.
+    """
+    unit = byte_unit(problem)
+    index = problem.index()
+    chain = problem.chain
+    model = cp_model.CpModel()
+
+    # Variables: r[op] = 1 if op is recomputed (in a checkpointed region); 0 is a constant for the others.
+    r = {op: model.new_bool_var(f"recompute[{op}]") for op in chain if op in problem.recomputable}
+
+    def lit(op: str):
+        return r.get(op, 0)
+
+    # Prefix counts over the chain: a run from a to b is one region iff all of it is recomputed.
+    prefix = [model.new_constant(0)]
+    for i, op in enumerate(chain):
+        nxt = model.new_int_var(0, i + 1, f"prefix[{i}]")
+        model.add(nxt == prefix[-1] + lit(op))
+        prefix.append(nxt)
+    breakers_before = [0]
+    for op in chain:
+        breakers_before.append(breakers_before[-1] + (op not in r))
+
+    same_cache: dict[tuple[int, int], object] = {}
+
+    def same(a: str, b: str):
+        """Boolean: ops a..b (chain order, a <= b) are one recomputed region."""
+        i, j = index[a], index[b]
+        if breakers_before[j + 1] - breakers_before[i] > 0:
+            return 0
+        if i == j:
+            return r[a]
+        if (i, j) not in same_cache:
+            s = model.new_bool_var(f"same[{a},{b}]")
+            # s ⇔ every op in a..b is recomputed
+            model.add(prefix[j + 1] - prefix[i] == j - i + 1).only_enforce_if(s)
+            model.add(prefix[j + 1] - prefix[i] <= j - i).only_enforce_if(~s)
+            same_cache[(i, j)] = s
+        return same_cache[(i, j)]
+
+    # Memory pieces: (start, end, units, literal) added to a difference array over positions.
+    starts: dict[int, list] = {}
+    ends: dict[int, list] = {}
+
+    def add_piece(start: int, end: int, nbytes: int, literal) -> None:
+        if end < start or nbytes <= 0:
+            return
+        units = -(-nbytes // unit)
+        starts.setdefault(start, []).append(units * literal)
+        ends.setdefault(end, []).append(units * literal)
+
+    for act in problem.activations:
+        # Region-input reasons: a recomputed reader outside the owner's region holds t as a region input.
+        input_reasons = []
+        for c in act.readers:
+            if c not in r:
+                continue
+            reason = model.new_bool_var(f"input_hold[{act.name},{c}]")
+            together = same(act.owner, c) if act.owner in index and index[act.owner] <= index[c] else 0
+            # reason ⇔ r[c] ∧ ¬same(owner, c)
+            model.add_implication(reason, r[c])
+            if not isinstance(together, int):
+                model.add_bool_or([~reason, ~together])
+                model.add_bool_or([reason, ~r[c], together])
+            else:
+                model.add_implication(r[c], reason)
+            input_reasons.append(reason)
+        as_input = model.new_bool_var(f"held_as_input[{act.name}]")
+        # held as input ⇔ any reason
+        model.add_max_equality(as_input, input_reasons) if input_reasons else model.add(as_input == 0)
+        if act.savers:
+            held = model.new_bool_var(f"held[{act.name}]")
+            saver_kept = [~r[s] if s in r else 1 for s in act.savers]
+            if any(isinstance(k, int) for k in saver_kept):
+                model.add(held == 1)   # a saver that is never recomputed keeps it
+            else:
+                # held ⇔ some saver kept ∨ held as a region input
+                model.add_bool_or([~held, *saver_kept, as_input])
+                for k in saver_kept:
+                    model.add_implication(k, held)
+                model.add_implication(as_input, held)
+            add_piece(act.hold_start, act.save_end, act.nbytes, held)
+        add_piece(max(act.hold_start, act.save_end + 1), act.read_end, act.nbytes, as_input)
+
+    # Rematerialized bytes at the backward of op j: A[j] ≥ A[j-1] + new ones, when j is recomputed.
+    new_at: dict[str, list] = {}
+    for act in problem.activations:
+        first = problem.min_saver(act)
+        if first is None or act.owner not in r or index[first] < index[act.owner]:
+            continue
+        new_at.setdefault(first, []).append((-(-act.nbytes // unit), act.owner))
+    upper = sum(-(-a.nbytes // unit) for a in problem.activations) + 1
+    remat: dict[str, cp_model.IntVar] = {}
+    previous = None
+    for op in chain:
+        if op not in r:
+            previous = None
+            continue
+        a = model.new_int_var(0, upper, f"remat[{op}]")
+        terms = [units * same(owner, op) for units, owner in new_at.get(op, [])]
+        # what was alive at the previous op of this region stays alive; add what op's backward frees last
+        model.add(a >= (previous if previous is not None else 0) + sum(terms)).only_enforce_if(r[op])
+        remat[op] = a
+        previous = a
+
+    # Memory at every position, through a running sum (linear in the number of pieces).
+    ceiling = (max(max(problem.fixed), 0) // unit + 1 + 2 * upper)
+    peak = model.new_int_var(0, ceiling, "peak")
+    running = 0
+    for p in range(problem.num_positions):
+        running = running + sum(starts.get(p, [])) - (sum(ends.get(p - 1, [])) if p else 0)
+        level = model.new_int_var(0, ceiling, f"memory[{p}]")
+        model.add(level == running)
+        running = level
+        total = level + math.ceil(problem.fixed[p] / unit)
+        op = problem.backward_op.get(p)
+        if op in remat:
+            total = total + remat[op]
+        # the step's memory at p stays under the peak (and the peak under the budget)
+        model.add(total <= peak)
+    if budget is not None:
+        model.add(peak <= budget // unit)
+
+    # Costs scaled to at most 2**30 in total (each at least 1: recomputing is never free).
+    total = sum(problem.cost[op] for op in r) or 1
+    scaled = {op: max(1, -(-problem.cost[op] * 2**30 // total)) for op in r}
+    cost = sum(scaled[op] * var for op, var in r.items())
+    if minimize == "peak":
+        # least peak first, least cost among equal peaks (cost folded below one byte unit)
+        tie = {op: max(1, scaled[op] >> 20) for op in r}
+        tie_weight = sum(tie.values()) + 1
+        model.minimize(peak * tie_weight + sum(tie[op] * var for op, var in r.items()))
+    elif minimize == "cost":
+        if budget is None:
+            raise ValueError("minimize='cost' needs a budget")
+        model.minimize(cost)
+    else:
+        raise ValueError(f"minimize={minimize!r}; expected 'cost' or 'peak'")
+
+    for op, on in (hint or {}).items():
+        if op in r:
+            model.add_hint(r[op], bool(on))
+
+    solver = cp_model.CpSolver()
+    # The deterministic limit keeps plans reproducible; the wall-clock limit is a safety net.
+    solver.parameters.max_deterministic_time = time_limit / 4
+    solver.parameters.max_time_in_seconds = time_limit
+    solver.parameters.random_seed = seed
+    solver.parameters.num_workers = workers
+    solver.parameters.interleave_search = True
+    started = time.perf_counter()
+    status = solver.solve(model)
+    wall = time.perf_counter() - started
+    name = _STATUS.get(status, "unknown")
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return SolverResult(None, name, math.inf, solver.best_objective_bound, math.inf, wall)
+    recompute = {op: bool(solver.value(var)) for op, var in r.items()}
+    objective, bound = solver.objective_value, solver.best_objective_bound
+    if minimize == "peak":
+        objective, bound = solver.value(peak) * unit, (bound // tie_weight) * unit
+    gap = 0.0 if status == cp_model.OPTIMAL else (objective - bound) / max(abs(objective), 1e-9)
+    return SolverResult(recompute, name, objective, bound, max(gap, 0.0), wall)

@@ -1,0 +1,49 @@
+"""Segment heuristic: √N-style checkpoints placed by bytes, scored with the memory model.
+
+Splits the chain into ``k`` segments of about equal held bytes; each segment's last op is kept (the
+checkpoint), the rest recomputed. Tries every ``k`` and returns the best plan for the goal. Used as the
+CP-SAT hint, and as the fallback when the solver finds nothing in time.
+"""
+from __future__ import annotations
+
+from autorecompute.memory_model import extra_cost, predicted_peak
+from autorecompute.problem import Problem
+
+
+def segment_plan(problem: Problem, segments: int) -> dict[str, bool]:
+    """Recompute everything except one checkpoint op per segment of about equal held bytes."""
+    held: dict[str, int] = {}
+    for act in problem.activations:
+        if act.savers:
+            held[act.owner] = held.get(act.owner, 0) + act.nbytes
+    total = sum(held.get(op, 0) for op in problem.chain) or 1
+    step = total / max(1, segments)
+    recompute, running, boundary = {}, 0.0, step
+    for op in problem.chain:
+        running += held.get(op, 0)
+        if op not in problem.recomputable:
+            continue
+        if running >= boundary:
+            recompute[op] = False
+            while boundary <= running:
+                boundary += step
+        else:
+            recompute[op] = True
+    return recompute
+
+
+def candidates(problem: Problem, max_segments: int = 64) -> list[dict[str, bool]]:
+    keep_all = {op: False for op in problem.recomputable}
+    n = max(1, min(max_segments, len(problem.recomputable)))
+    return [keep_all] + [segment_plan(problem, k) for k in range(1, n + 1)]
+
+
+def lowest_peak(problem: Problem) -> dict[str, bool]:
+    """The candidate with the lowest predicted peak (then least cost)."""
+    return min(candidates(problem), key=lambda r: (predicted_peak(problem, r), extra_cost(problem, r)))
+
+
+def cheapest_under(problem: Problem, budget: int) -> dict[str, bool] | None:
+    """The cheapest candidate whose predicted peak fits ``budget``, or None."""
+    fitting = [r for r in candidates(problem) if predicted_peak(problem, r) <= budget]
+    return min(fitting, key=lambda r: extra_cost(problem, r)) if fitting else None

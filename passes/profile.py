@@ -1,0 +1,279 @@
+"""Profile: one fake training step of the captured graph, annotating every node.
+
+For each ``call_function`` node, ``node.meta["autorecompute"]`` gets a :class:`NodeInfo`:
+its forward position, the FLOPs it runs (``FlopCounterMode``), the tensors (storages) it creates and
+reads, the tensors autograd saves for its backward — observed through saved-tensor hooks, not read from a
+table — and the position at which its backward runs. ``gm.meta["autorecompute"]`` gets the
+:class:`StepProfile`: every activation tensor with its lifetime, and the measured memory at each forward
+node and each backward event, which calibrates the memory model.
+"""
+from __future__ import annotations
+
+import operator
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from autorecompute.passes.fake import fake_step
+from autorecompute.runtime.memory import LiveStorageTracker, output_tensors_for_backward, tensor_bytes
+
+META_KEY = "autorecompute"
+
+
+@dataclass
+class TensorInfo:
+    """One activation storage created during forward."""
+
+    name: str                 # the first graph value that is this tensor (producer or its getitem)
+    owner: str                # the op node that allocates it (the node whose recomputation drops it)
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    birth: int                # forward position of ``owner``
+    last_forward_use: int     # last forward position that reads it (graph outputs: the last position)
+    savers: list[str] = field(default_factory=list)     # op nodes whose backward saved it
+    readers: list[str] = field(default_factory=list)    # op nodes that read it in forward
+    is_output: bool = False
+
+
+@dataclass
+class NodeInfo:
+    """What the profile pass learned about one ``call_function`` node."""
+
+    position: int
+    flops: int
+    creates: list[str]        # tensors (by name) whose storage this node allocates
+    reads: list[str]          # activation tensors it reads
+    saves: list[str]          # activation tensors autograd keeps for its backward
+    saves_static_bytes: int   # bytes it saves that are parameters / inputs (always resident)
+    backward_event: int | None  # index into StepProfile.backward_events, None if it has no backward
+    forward_peak: int         # tracked bytes at the peak of its execution
+    module_path: str
+
+
+@dataclass
+class StepProfile:
+    """Graph-level result of the profile pass (``gm.meta["autorecompute"]``)."""
+
+    resident: dict[str, int]                      # parameters, buffers, inputs, gradients (existing)
+    tensors: dict[str, TensorInfo]
+    order: list[str]                              # call_function nodes in forward order
+    forward_peaks: list[int]                      # tracked bytes per forward position
+    backward_events: list[str]                    # node names, in the order their backward ran
+    backward_peaks: list[int]                     # tracked bytes per backward event
+    parameter_grad_bytes: int
+    tracked_peak: int
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(self.resident.values())
+
+    @property
+    def peak(self) -> int:
+        return self.resident_bytes + self.tracked_peak
+
+
+def node_info(node: torch.fx.Node) -> NodeInfo:
+    """The profile of ``node``; fails with the pass to run when it is missing."""
+    info = node.meta.get(META_KEY)
+    if not isinstance(info, NodeInfo):
+        raise RuntimeError(f"node {node.name!r} has no autorecompute profile: run "
+                           "autorecompute.passes.profile.profile_step(gm, args, kwargs) first")
+    return info
+
+
+def step_profile(gm: torch.fx.GraphModule) -> StepProfile:
+    """The graph-level profile; fails with the pass to run when it is missing."""
+    info = gm.meta.get(META_KEY)
+    if not isinstance(info, StepProfile):
+        raise RuntimeError("graph has no autorecompute step profile: run "
+                           "autorecompute.passes.profile.profile_step(gm, args, kwargs) first")
+    return info
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """Dotted path of the innermost module that produced ``node`` (from ``nn_module_stack``)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path.replace("L['self'].", "").replace("L__self__.", "") if isinstance(path, str) else ""
+
+
+class _Profiler(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule, tracker: LiveStorageTracker, static_keys: set[int]):
+        super().__init__(gm, garbage_collect_values=True)
+        self.tracker = tracker
+        self.static_keys = static_keys
+        self.owner_of_key: dict[int, str] = {}      # live storage → tensor name
+        self.tensors: dict[str, TensorInfo] = {}
+        self.values_of: dict[str, list[str]] = {}   # node name → tensor names of its value
+        self.infos: dict[str, NodeInfo] = {}
+        self.current: str | None = None
+        self.position = -1
+        self.pending_saves: list[tuple[str, int]] = []
+        self.static_saved: dict[str, int] = {}
+        self.grad_fn_owner: dict[int, str] = {}
+        self.order: list[str] = []
+        self.forward_peaks: list[int] = []
+
+    # saved-tensor hook: records which storage the running node asks autograd to keep
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.current is not None:
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in self.static_keys:
+                self.static_saved[self.current] = self.static_saved.get(self.current, 0) + storage.nbytes()
+            else:
+                self.pending_saves.append((self.current, storage, tensor))
+        return tensor
+
+    def _forget(self, key: int) -> None:
+        self.owner_of_key.pop(key, None)
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op != "call_function":
+            out = super().run_node(n)
+            if n.op == "placeholder" or n.op == "get_attr":
+                self.values_of[n.name] = []
+            return out
+        self.position += 1
+        self.current = n.name
+        self.order.append(n.name)
+        self.pending_saves = []
+        self.tracker.reset_window_peak()
+        with FlopCounterMode(display=False) as counter:
+            out = super().run_node(n)
+        forward_peak = self.tracker.reset_window_peak()
+        self.current = None
+
+        flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        created, value_tensors = [], []
+        for i, t in enumerate(flat_out):
+            storage = t.untyped_storage()
+            key = storage._cdata
+            name = self.owner_of_key.get(key)
+            if name is None and key not in self.static_keys:
+                name = n.name if len(flat_out) == 1 else f"{n.name}[{i}]"
+                owner = n.name
+                if n.target is operator.getitem:   # the tuple's producer allocated it
+                    name, owner = n.name, n.args[0].name
+                self.owner_of_key[key] = name
+                weakref.finalize(storage, self._forget, key)
+                self.tensors[name] = TensorInfo(
+                    name=name, owner=owner, nbytes=storage.nbytes(), shape=tuple(t.shape),
+                    dtype=str(t.dtype).replace("torch.", ""), birth=self.infos[owner].position
+                    if owner in self.infos else self.position, last_forward_use=self.position)
+                created.append(name)
+            if name is not None:
+                value_tensors.append(name)
+        if n.target is operator.getitem and n.args[0].name in self.infos:
+            self.infos[n.args[0].name].creates.extend(created)
+            created = []
+        self.values_of[n.name] = value_tensors
+
+        reads = sorted({name for arg in n.all_input_nodes for name in self.values_of.get(arg.name, [])})
+        for name in reads:
+            info = self.tensors[name]
+            info.last_forward_use = self.position
+            if n.name not in info.readers:
+                info.readers.append(n.name)
+        saves = []
+        for node_name, storage, t in self.pending_saves:
+            key = storage._cdata
+            name = self.owner_of_key.get(key)
+            if name is None:   # a tensor the op made internally and kept for backward (a dropout mask)
+                name = f"{n.name}.saved{len(created)}"
+                self.owner_of_key[key] = name
+                weakref.finalize(storage, self._forget, key)
+                self.tensors[name] = TensorInfo(
+                    name=name, owner=n.name, nbytes=storage.nbytes(), shape=tuple(t.shape),
+                    dtype=str(t.dtype).replace("torch.", ""), birth=self.position,
+                    last_forward_use=self.position)
+                created.append(name)
+            if name not in saves:
+                saves.append(name)
+                self.tensors[name].savers.append(node_name)
+        self.pending_saves = []
+        if flat_out and flat_out[0].grad_fn is not None:
+            self.grad_fn_owner.setdefault(id(flat_out[0].grad_fn), n.name)
+            flat_out[0].grad_fn.register_prehook(self._on_backward(n.name))
+        self.infos[n.name] = NodeInfo(
+            position=self.position, flops=int(counter.get_total_flops()), creates=created, reads=reads,
+            saves=saves, saves_static_bytes=self.static_saved.get(n.name, 0), backward_event=None,
+            forward_peak=forward_peak, module_path=module_path(n))
+        self.forward_peaks.append(forward_peak)
+        return out
+
+    backward_events: list[str]
+    backward_peaks: list[int]
+
+    def _on_backward(self, name: str):
+        def hook(grad_outputs):
+            peak = self.tracker.reset_window_peak()
+            if self.backward_events:
+                self.backward_peaks.append(peak)
+            else:
+                self.first_segment_peak = peak
+            self.infos[name].backward_event = len(self.backward_events)
+            self.backward_events.append(name)
+        return hook
+
+
+def profile_step(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> StepProfile:
+    """Runs one fake forward + backward of ``gm`` and annotates it (see module docstring).
+
+    ``args``/``kwargs`` are the real (or meta) example inputs; nothing real is allocated.
+    """
+    from torch.fx._pytree import tree_flatten_spec
+
+    params = list(gm.parameters())
+    resident = {
+        "parameters": tensor_bytes(params),
+        "buffers": tensor_bytes(list(gm.buffers())),
+        "inputs": tensor_bytes([args, kwargs]),
+        "gradients": tensor_bytes([p.grad for p in params if p.grad is not None]),
+    }
+    parameter_grad_bytes = tensor_bytes([p for p in params if p.requires_grad and p.grad is None])
+    with fake_step(gm, args, kwargs) as (fake_args, fake_kwargs):
+        flat_args = tree_flatten_spec((list(fake_args), fake_kwargs), gm._in_spec) \
+            if getattr(gm, "_in_spec", None) is not None else list(fake_args)
+        static = [*gm.parameters(), *gm.buffers(), *flat_args]
+        static_keys = {t.untyped_storage()._cdata for t in static if isinstance(t, torch.Tensor)}
+        tracker = LiveStorageTracker()
+        profiler = _Profiler(gm, tracker, static_keys)
+        profiler.backward_events, profiler.backward_peaks = [], []
+        profiler.first_segment_peak = 0
+        with tracker:
+            with torch.autograd.graph.saved_tensors_hooks(profiler.pack, lambda t: t):
+                outputs = profiler.run(*flat_args)
+            out_tensors = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
+            for t in out_tensors:
+                name = profiler.owner_of_key.get(t.untyped_storage()._cdata)
+                if name is not None:
+                    profiler.tensors[name].is_output = True
+                    profiler.tensors[name].last_forward_use = profiler.position
+            grads_of = output_tensors_for_backward(outputs)
+            del outputs, out_tensors
+            if grads_of:
+                torch.autograd.backward(grads_of, [torch.ones_like(t) for t in grads_of])
+            del grads_of
+            last = tracker.reset_window_peak()
+            if profiler.backward_events:
+                profiler.backward_peaks.append(last)
+                profiler.backward_peaks[0] = max(profiler.backward_peaks[0], profiler.first_segment_peak)
+    for node in gm.graph.nodes:
+        if node.name in profiler.infos:
+            node.meta[META_KEY] = profiler.infos[node.name]
+    profile = StepProfile(
+        resident=resident, tensors=profiler.tensors, order=profiler.order,
+        forward_peaks=profiler.forward_peaks, backward_events=profiler.backward_events,
+        backward_peaks=profiler.backward_peaks, parameter_grad_bytes=parameter_grad_bytes,
+        tracked_peak=tracker.peak)
+    gm.meta[META_KEY] = profile
+    return profile

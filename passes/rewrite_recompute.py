@@ -1,0 +1,125 @@
+"""Rewrite: (GraphModule, decisions) → GraphModule whose recomputed ops run in checkpointed regions.
+
+Decides nothing: regions are the maximal runs of ops the plan marks ``"recompute"`` (a ``getitem`` of a
+region op joins its region; buffer updates that read no activation stay outside and run just before it).
+Each region becomes a submodule ``recompute_region_<k>`` (a :class:`CheckpointRegion` around a small
+GraphModule), so ``gm.code`` shows the boundaries and ``print(gm.recompute_region_0.body.code)`` the body.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Mapping
+
+import torch
+import torch.fx
+
+from autorecompute.runtime.regions import CheckpointRegion, batch_norm_once
+
+_BATCH_NORM = torch.ops.aten.batch_norm.default
+
+
+def find_regions(graph: torch.fx.Graph, decisions: Mapping[str, str]) -> list[list[torch.fx.Node]]:
+    """Maximal runs of nodes marked ``"recompute"`` in graph order (the plan's regions)."""
+    from autorecompute.passes.build_problem import is_transparent
+
+    regions: list[list[torch.fx.Node]] = []
+    current: list[torch.fx.Node] = []
+    members: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            continue
+        if node.op == "call_function" and decisions.get(node.name) == "recompute":
+            current.append(node)
+            members.add(node)
+        elif node.op == "call_function" and node.target is operator.getitem and node.args[0] in members:
+            current.append(node)
+            members.add(node)
+        elif node.op == "call_function" and current and _is_hoistable(node, members, is_transparent):
+            continue
+        elif current:
+            regions.append(current)
+            current, members = [], set()
+    if current:
+        regions.append(current)
+    return regions
+
+
+def _is_hoistable(node: torch.fx.Node, members: set, is_transparent) -> bool:
+    try:
+        transparent = is_transparent(node)
+    except RuntimeError:     # not profiled: be safe and end the region
+        return False
+    return transparent and not any(arg in members for arg in node.all_input_nodes)
+
+
+def _is_random(node: torch.fx.Node) -> bool:
+    target = node.target
+    tags = getattr(target, "tags", ())
+    name = str(target)
+    return torch.Tag.nondeterministic_seeded in tags or any(
+        word in name for word in ("dropout", "rand", "bernoulli", "normal", "multinomial"))
+
+
+def _device_of(nodes: list[torch.fx.Node]) -> str | None:
+    for node in nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device.type
+    return None
+
+
+def rewrite_recompute(gm: torch.fx.GraphModule, decisions: Mapping[str, str]) -> torch.fx.GraphModule:
+    """Rewrites ``gm`` in place (and returns it) so that ops marked ``"recompute"`` are recomputed in backward.
+
+    Example:
+        >>> import torch.fx
+        >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()))
+        >>> gm = rewrite_recompute(gm, {"_0": "recompute", "_1": "recompute"})
+        >>> "recompute_region_0" in gm.code
+        True
+    """
+    for k, region in enumerate(find_regions(gm.graph, decisions)):
+        _outline(gm, region, f"recompute_region_{k}")
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _outline(gm: torch.fx.GraphModule, region: list[torch.fx.Node], name: str) -> None:
+    members = set(region)
+    inputs: list[torch.fx.Node] = []
+    for node in region:
+        for arg in node.all_input_nodes:
+            if arg not in members and arg not in inputs:
+                inputs.append(arg)
+    outputs = [node for node in region if any(user not in members for user in node.users)]
+
+    body = torch.fx.Graph()
+    recomputing = body.placeholder("recomputing")
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for arg in inputs:
+        env[arg] = body.placeholder(arg.name)
+        env[arg].meta = dict(arg.meta)
+    for node in region:
+        copied = body.node_copy(node, lambda n: env[n])
+        if node.target is _BATCH_NORM:
+            copied.target = batch_norm_once
+            copied.args = (recomputing, *copied.args)
+        env[node] = copied
+    body.output(tuple(env[node] for node in outputs))
+    body_module = torch.fx.GraphModule(torch.nn.Module(), body, class_name="RegionBody")
+    device = _device_of(region)
+    preserve_rng = any(_is_random(n) for n in region) and device not in (None, "meta")
+    gm.add_submodule(name, CheckpointRegion(body_module, preserve_rng_state=preserve_rng))
+
+    with gm.graph.inserting_after(region[-1]):
+        call = gm.graph.call_module(name, tuple(inputs))
+    replacements = []
+    with gm.graph.inserting_after(call):
+        for i, node in enumerate(outputs):
+            replacements.append((node, gm.graph.call_function(operator.getitem, (call, i))))
+    for node, item in replacements:
+        item.meta = dict(node.meta)
+        node.replace_all_uses_with(item, delete_user_cb=lambda user: user not in members)
+    for node in reversed(region):
+        gm.graph.erase_node(node)

@@ -1,0 +1,47 @@
+"""Measured training steps for the tests: real tensors, live-storage tracker, gradients collected."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autorecompute.runtime.memory import LiveStorageTracker, output_tensors_for_backward, tensor_bytes
+
+
+@dataclass
+class StepResult:
+    peak: int
+    outputs: list[torch.Tensor]
+    grads: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+
+def measured_step(module: torch.nn.Module, model: torch.nn.Module, args: tuple, kwargs: dict,
+                  seed: int = 0) -> StepResult:
+    """One forward + backward (unit gradient on every differentiable output) with ``module``; gradients are
+    read from ``model``'s parameters (the same objects when ``module`` is a compiled ``model``)."""
+    for p in model.parameters():
+        p.grad = None
+    if hasattr(module, "prepare"):      # plan outside the measured window, as a warm-up call would
+        module.prepare(*args, **kwargs)
+    resident = tensor_bytes([*model.parameters(), *model.buffers(), args, kwargs])
+    torch.manual_seed(seed)
+    tracker = LiveStorageTracker()
+    with tracker:
+        out = module(*args, **kwargs)
+        tensors = output_tensors_for_backward(out)
+        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+        outputs = [t.detach() for t in tensors]
+        del out, tensors
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    return StepResult(resident + tracker.peak, outputs, grads, buffers)
+
+
+def assert_bitwise_equal(a: StepResult, b: StepResult) -> None:
+    assert len(a.outputs) == len(b.outputs)
+    for x, y in zip(a.outputs, b.outputs):
+        assert torch.equal(x, y), "outputs differ"
+    assert a.grads.keys() == b.grads.keys()
+    for name in a.grads:
+        assert torch.equal(a.grads[name], b.grads[name]), f"gradient of {name} differs"

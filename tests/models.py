@@ -1,0 +1,224 @@
+"""The model zoo of the tests and benchmarks: real architectures from configs, random weights, CPU sizes.
+
+Each factory returns a :class:`Case`: the model, example args/kwargs, and a seed. Sizes are chosen so that
+activations dominate the step (otherwise there is nothing to plan) and one step takes well under a second.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class Case:
+    name: str
+    model: nn.Module
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+
+
+def _quiet_transformers():
+    import transformers
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def gpt2() -> Case:
+    t = _quiet_transformers()
+    cfg = t.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=128, use_cache=False,
+                       bos_token_id=0, eos_token_id=0)
+    return Case("gpt2", t.GPT2LMHeadModel(cfg), (torch.randint(0, 256, (4, 64)),))
+
+
+def bert() -> Case:
+    t = _quiet_transformers()
+    cfg = t.BertConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, intermediate_size=256,
+                       vocab_size=256, max_position_embeddings=128)
+    ids = torch.randint(0, 256, (4, 64))
+    mask = torch.ones(4, 64, dtype=torch.long)
+    mask[:, 48:] = 0
+    return Case("bert", t.BertForMaskedLM(cfg), (ids,), {"attention_mask": mask})
+
+
+def llama() -> Case:
+    t = _quiet_transformers()
+    cfg = t.LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=192, vocab_size=256, max_position_embeddings=128, use_cache=False,
+                        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return Case("llama", t.LlamaForCausalLM(cfg), (torch.randint(0, 256, (4, 64)),))
+
+
+def t5() -> Case:
+    t = _quiet_transformers()
+    cfg = t.T5Config(num_layers=2, num_decoder_layers=2, d_model=64, d_kv=16, num_heads=4, d_ff=192,
+                     vocab_size=256, use_cache=False, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    ids = torch.randint(0, 256, (4, 32))
+    return Case("t5", t.T5ForConditionalGeneration(cfg), (ids,), {"decoder_input_ids": ids[:, :24]})
+
+
+def vit() -> Case:
+    t = _quiet_transformers()
+    cfg = t.ViTConfig(image_size=32, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, intermediate_size=192, num_labels=10)
+    return Case("vit", t.ViTForImageClassification(cfg), (torch.randn(4, 3, 32, 32),))
+
+
+def transformer_encoder() -> Case:
+    layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=256, dropout=0.1, batch_first=True)
+    return Case("transformer_encoder", nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False),
+                (torch.randn(4, 64, 64),))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.short = nn.Sequential() if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += self.short(x)
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    """A small ResNet with BatchNorm and in-place ReLUs."""
+
+    def __init__(self, width: int = 16, blocks: int = 2, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True))
+        layers, cin = [], width
+        for stage, cout in enumerate((width, 2 * width, 4 * width)):
+            for b in range(blocks):
+                layers.append(BasicBlock(cin, cout, stride=2 if (b == 0 and stage > 0) else 1))
+                cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        x = self.layers(self.stem(x))
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def resnet() -> Case:
+    return Case("resnet", ResNet(), (torch.randn(8, 3, 32, 32),))
+
+
+class UNet(nn.Module):
+    """A U-Net: encoder, decoder, concatenated skip connections."""
+
+    def __init__(self, width: int = 8, depth: int = 3):
+        super().__init__()
+        def block(cin, cout):
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(1, cout), nn.SiLU(),
+                                 nn.Conv2d(cout, cout, 3, padding=1), nn.SiLU())
+        self.down = nn.ModuleList()
+        self.up = nn.ModuleList()
+        cin, widths = 3, []
+        for d in range(depth):
+            cout = width * 2 ** d
+            self.down.append(block(cin, cout))
+            widths.append(cout)
+            cin = cout
+        self.mid = block(cin, cin)
+        for cout in reversed(widths):
+            self.up.append(block(cin + cout, cout))
+            cin = cout
+        self.out = nn.Conv2d(cin, 3, 1)
+
+    def forward(self, x):
+        skips = []
+        for block in self.down:
+            x = block(x)
+            skips.append(x)
+            x = F.max_pool2d(x, 2)
+        x = self.mid(x)
+        for block in self.up:
+            x = F.interpolate(x, scale_factor=2.0, mode="nearest")
+            x = block(torch.cat([x, skips.pop()], dim=1))
+        return self.out(x)
+
+
+def unet() -> Case:
+    return Case("unet", UNet(), (torch.randn(4, 3, 32, 32),))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.fc_out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(dropout)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = self.drop(att.masked_fill(~mask, float("-inf")).softmax(-1))
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.drop(self.proj(y))
+        return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    """A GPT-style decoder with dropout everywhere (masks must be replayed on recomputation)."""
+
+    def __init__(self, layers: int = 6, d: int = 64, heads: int = 4, vocab: int = 256, seq: int = 64,
+                 dropout: float = 0.1):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.Sequential(*[GPTBlock(d, heads, dropout) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.tok(idx) + self.pos(pos))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def gpt() -> Case:
+    return Case("gpt", GPT(), (torch.randint(0, 256, (4, 64)),))
+
+
+class MLP(nn.Module):
+    """A deep MLP: Linear + GELU, 24 layers."""
+
+    def __init__(self, layers: int = 24, d: int = 128):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.GELU()) for _ in range(layers)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def mlp() -> Case:
+    return Case("mlp", MLP(), (torch.randn(1024, 128),))
+
+
+ZOO: dict[str, Callable[[], Case]] = {
+    "gpt2": gpt2, "bert": bert, "llama": llama, "t5": t5, "vit": vit,
+    "transformer_encoder": transformer_encoder, "resnet": resnet, "unet": unet, "gpt": gpt, "mlp": mlp,
+}
+
+
+def make(name: str, seed: int = 0) -> Case:
+    """Builds zoo model ``name`` with ``torch.manual_seed(seed)`` (same seed → same weights and inputs)."""
+    torch.manual_seed(seed)
+    return ZOO[name]()
