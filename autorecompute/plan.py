@@ -37,7 +37,9 @@ class Plan:
         predicted_peak: peak of the rewritten module's step, measured on fake tensors (exact up to kernel
             scratch memory).
         baseline_peak: peak with nothing recomputed (same measurement).
-        minimum_peak: lowest peak the solver reached with the allowed actions (verified the same way).
+        minimum_peak: lowest peak the solver reached with the allowed actions: verified like
+            ``predicted_peak`` when planning needed the minimum-peak plan, else the memory model's estimate
+            (``InfeasibleBudgetError.minimum`` is always verified).
         model_peak: the solver's own memory-model estimate of this plan's peak.
         decisions: node name → "keep" / "recompute".
         extra_flops: FLOPs recomputed in backward; ``baseline_flops`` the FLOPs of the forward.

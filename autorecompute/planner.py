@@ -37,7 +37,7 @@ class PlannerOptions:
     """Knobs of the planner, validated once at ``compile``/``plan`` time."""
 
     actions: tuple[str, ...] = ("recompute",)
-    solver_time_limit: float = 4.0
+    solver_time_limit: float = 2.0
     seed: int = 0
 
     def __post_init__(self):
@@ -100,42 +100,60 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     # 1. The lowest peak reachable: the minimum budget, the fallback, and the hint of the cost solve.
     t = time.perf_counter()
     heuristic = greedy.lowest_peak(problem)
-    lowest = cpsat.solve(problem, minimize="peak", time_limit=options.solver_time_limit / 2, seed=options.seed,
+    lowest = cpsat.solve(problem, minimize="peak", time_limit=options.solver_time_limit / 4, seed=options.seed,
                          hint=heuristic)
     minimum_recompute = min([r for r in (lowest.recompute, heuristic) if r is not None],
                             key=lambda r: (predicted_peak(problem, r), extra_cost(problem, r)))
-    minimum_module, minimum_peak = verify(minimum_recompute)
-    if minimum_peak >= baseline_peak:
-        minimum_recompute, minimum_module, minimum_peak = _keep_all(problem), gm, baseline_peak
-    log.debug("minimum peak %d (model %d, verified), %s in %.2f s", minimum_peak,
-              predicted_peak(problem, minimum_recompute), lowest.status, time.perf_counter() - t)
-    if budget_bytes < minimum_peak:
-        raise InfeasibleBudgetError(budget_bytes, minimum_peak, _breakdown(profile, minimum_peak), options.actions)
+    minimum_model_peak = predicted_peak(problem, minimum_recompute)
+    verified_minimum: list[tuple[torch.fx.GraphModule, int]] = []
+
+    def minimum() -> tuple[torch.fx.GraphModule, int]:
+        """The minimum-peak plan, verified once, when a decision needs it."""
+        if not verified_minimum:
+            module, peak = verify(minimum_recompute) if minimum_model_peak < baseline_peak else (gm, baseline_peak)
+            verified_minimum.append((module, peak) if peak < baseline_peak else (gm, baseline_peak))
+        return verified_minimum[0]
+
+    log.debug("minimum peak (model) %d, %s in %.2f s", minimum_model_peak, lowest.status, time.perf_counter() - t)
+
+    def infeasible() -> InfeasibleBudgetError:
+        peak = minimum()[1]
+        return InfeasibleBudgetError(budget_bytes, peak, _breakdown(profile, peak), options.actions)
 
     # 2. The cheapest plan under the budget, re-solved under a tighter internal budget while verification
-    #    finds the model optimistic.
-    if budget_bytes >= baseline_peak:
-        chosen, module, peak, status, solve_time, gap = _keep_all(problem), gm, baseline_peak, "trivial", 0.0, 0.0
-    else:
-        chosen, module, peak = minimum_recompute, minimum_module, minimum_peak
-        status, solve_time, gap = "fallback", lowest.wall_time, lowest.gap
+    #    finds the model optimistic; the verified minimum-peak plan is the last resort.
+    status, solve_time, gap = "trivial", lowest.wall_time, 0.0
+    chosen, module, peak = _keep_all(problem), gm, baseline_peak
+    if budget_bytes < baseline_peak:
+        found = False
         internal = budget_bytes
         for _ in range(MAX_TIGHTENINGS):
-            hint = greedy.cheapest_under(problem, internal) or minimum_recompute
-            result = cpsat.solve(problem, budget=internal, minimize="cost", time_limit=options.solver_time_limit,
+            if internal < minimum_model_peak:
+                break   # tighter than the model's own minimum: the minimum-peak plan is the answer
+            start = greedy.cheapest_under(problem, internal) or minimum_recompute
+            hint = greedy.descend(problem, internal, start)
+            result = cpsat.solve(problem, budget=internal, minimize="cost", time_limit=options.solver_time_limit / 2,
                                  seed=options.seed, hint=hint)
             solve_time += result.wall_time
-            if result.recompute is None:
-                break
-            candidate, candidate_peak = verify(result.recompute)
-            log.debug("cost solve under %d: %s, model peak %d, verified %d", internal, result.status,
-                      predicted_peak(problem, result.recompute), candidate_peak)
+            best, status = hint, f"heuristic (cp-sat {result.status})"
+            if result.recompute is not None and extra_cost(problem, result.recompute) < extra_cost(problem, hint) \
+                    and predicted_peak(problem, result.recompute) <= internal:
+                best, status = result.recompute, result.status
+            cost = extra_cost(problem, best)
+            gap = 0.0 if status == "optimal" else max(0.0, (cost - result.bound) / cost) if cost else 0.0
+            candidate, candidate_peak = verify(best)
+            log.debug("cost solve under %d: %s, model peak %d, verified %d", internal, status,
+                      predicted_peak(problem, best), candidate_peak)
             if candidate_peak <= budget_bytes:
-                chosen, module, peak, status, gap = result.recompute, candidate, candidate_peak, result.status, result.gap
+                chosen, module, peak, found = best, candidate, candidate_peak, True
                 break
-            internal -= candidate_peak - budget_bytes + max(1, (budget_bytes - minimum_peak) // 16)
-            if internal < predicted_peak(problem, minimum_recompute):
-                break   # tighter than the model's own minimum: the minimum-peak plan is the answer
+            internal -= candidate_peak - budget_bytes + max(1, (budget_bytes - minimum_model_peak) // 16)
+        if not found:
+            module, peak = minimum()
+            if peak > budget_bytes:
+                raise infeasible()
+            chosen, status, gap = minimum_recompute, "fallback (minimum-peak plan)", lowest.gap
+    minimum_peak = verified_minimum[0][1] if verified_minimum else min(minimum_model_peak, peak)
 
     plan = Plan(
         budget=budget_bytes, predicted_peak=peak, baseline_peak=baseline_peak, minimum_peak=minimum_peak,

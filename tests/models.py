@@ -49,6 +49,7 @@ def llama() -> Case:
     t = _quiet_transformers()
     cfg = t.LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                         intermediate_size=192, vocab_size=256, max_position_embeddings=128, use_cache=False,
+                        attn_implementation="eager",
                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return Case("llama", t.LlamaForCausalLM(cfg), (torch.randint(0, 256, (4, 64)),))
 

@@ -23,6 +23,19 @@ def _storages(values: Iterable[Any]):
             yield value.untyped_storage()
 
 
+def _op_tensors(value: Any):
+    """Tensors among an op's arguments or results: aten ops nest them at most one list deep (a fast path
+    for the tracker, which runs on every op)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, (list, tuple)):
+                yield from (x for x in item if isinstance(x, torch.Tensor))
+
+
 class LiveStorageTracker(TorchDispatchMode):
     """Tracks live bytes of tensor storages created inside the ``with`` block.
 
@@ -57,10 +70,10 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        flat_in, _ = tree_flatten((args, kwargs))
-        seen = {s._cdata for s in _storages(flat_in)}
-        flat_out, _ = tree_flatten(out)
-        for storage in _storages(flat_out):
+        seen = {t.untyped_storage()._cdata for t in _op_tensors(args)}
+        if kwargs:
+            seen.update(t.untyped_storage()._cdata for t in _op_tensors(tuple(kwargs.values())))
+        for storage in _storages(_op_tensors(out)):
             key = storage._cdata
             if key in seen or key in self._live:
                 continue

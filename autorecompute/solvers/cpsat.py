@@ -25,8 +25,9 @@ class SolverResult:
     Attributes:
         recompute: op → bool, or None when no solution was found.
         status: "optimal", "feasible", "infeasible" or "unknown" (time limit before any solution).
-        objective: value of the objective in model units (cost, or bytes for the peak objective).
-        bound: best proven bound on the objective.
+        objective: value of the objective: recompute cost (``Problem.cost`` units), or bytes for the
+            peak objective.
+        bound: best proven lower bound on it, same units.
         gap: relative optimality gap ``(objective - bound) / objective`` (0 when optimal).
         wall_time: seconds spent in the solver.
     """
@@ -37,6 +38,25 @@ class SolverResult:
     bound: float
     gap: float
     wall_time: float
+
+
+def _complete_hint(model: cp_model.CpModel, r: dict, hint: Mapping[str, bool], seconds: float, seed: int) -> None:
+    """Hints every variable, not just the decisions: CP-SAT keeps a complete feasible hint as its first
+    solution, while a partial one is often lost in presolve. The completion is a solve with the decisions
+    fixed to the hint (fast: propagation does the work)."""
+    for op, var in r.items():
+        model.add_hint(var, bool(hint.get(op, False)))
+    completion = cp_model.CpSolver()
+    completion.parameters.fix_variables_to_their_hinted_value = True
+    completion.parameters.max_time_in_seconds = seconds
+    completion.parameters.num_workers = 1
+    completion.parameters.random_seed = seed
+    if completion.solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return   # the hint does not fit the integer model: keep the partial hint
+    model.clear_hints()
+    for i in range(len(model.proto.variables)):
+        var = model.get_int_var_from_proto_index(i)
+        model.add_hint(var, completion.value(var))
 
 
 def byte_unit(problem: Problem) -> int:
@@ -195,9 +215,9 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
     else:
         raise ValueError(f"minimize={minimize!r}; expected 'cost' or 'peak'")
 
-    for op, on in (hint or {}).items():
-        if op in r:
-            model.add_hint(r[op], bool(on))
+    started = time.perf_counter()
+    if hint:
+        _complete_hint(model, r, hint, max(0.5, min(1.0, time_limit / 2)), seed)
 
     solver = cp_model.CpSolver()
     # The deterministic limit keeps plans reproducible; the wall-clock limit is a safety net.
@@ -206,14 +226,15 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = workers
     solver.parameters.interleave_search = True
-    started = time.perf_counter()
     status = solver.solve(model)
     wall = time.perf_counter() - started
     name = _STATUS.get(status, "unknown")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return SolverResult(None, name, math.inf, solver.best_objective_bound, math.inf, wall)
+        return SolverResult(None, name, math.inf, 0.0, math.inf, wall)
     recompute = {op: bool(solver.value(var)) for op, var in r.items()}
-    objective, bound = solver.objective_value, solver.best_objective_bound
+    # back to the problem's units: cost, or bytes for the peak objective
+    objective = solver.objective_value * total / 2**30
+    bound = solver.best_objective_bound * total / 2**30
     if minimize == "peak":
         objective, bound = solver.value(peak) * unit, (bound // tie_weight) * unit
     gap = 0.0 if status == cp_model.OPTIMAL else (objective - bound) / max(abs(objective), 1e-9)

@@ -47,3 +47,18 @@ def cheapest_under(problem: Problem, budget: int) -> dict[str, bool] | None:
     """The cheapest candidate whose predicted peak fits ``budget``, or None."""
     fitting = [r for r in candidates(problem) if predicted_peak(problem, r) <= budget]
     return min(fitting, key=lambda r: extra_cost(problem, r)) if fitting else None
+
+
+def descend(problem: Problem, budget: int, start: dict[str, bool], max_tries: int = 160) -> dict[str, bool]:
+    """Local search from a plan that fits: un-recompute ops, most expensive first, while the plan fits.
+
+    Only the ``max_tries`` most expensive ops are tried: they carry nearly all the cost, and each try is a
+    full evaluation of the memory model.
+    """
+    current = dict(start)
+    expensive = sorted((op for op, on in current.items() if on), key=lambda op: -problem.cost[op])[:max_tries]
+    for op in expensive:
+        current[op] = False
+        if predicted_peak(problem, current) > budget:
+            current[op] = True
+    return current
