@@ -47,10 +47,11 @@ def batch_norm_once(recomputing: bool, input, weight, bias, running_mean, runnin
                     momentum: float, eps: float, cudnn_enabled: bool):
     """``aten.batch_norm`` that updates running statistics in forward only, not when recomputed.
 
-    In training mode the output depends on batch statistics alone, so dropping the running buffers on the
-    recomputation gives bit-identical values and leaves the buffers updated once, as eager does.
+    In training mode the output depends on batch statistics alone, so updating throw-away copies of the
+    running buffers on the recomputation gives bit-identical values and leaves the real buffers updated
+    once, as eager does. (Copies rather than ``None``: autograd must save the same tensors both times.)
     """
-    if recomputing and training:
-        running_mean = running_var = None
+    if recomputing and training and running_mean is not None:
+        running_mean, running_var = running_mean.clone(), running_var.clone()
     return torch.ops.aten.batch_norm.default(input, weight, bias, running_mean, running_var, training,
                                              momentum, eps, cudnn_enabled)

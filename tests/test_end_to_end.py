@@ -1,0 +1,111 @@
+"""Acceptance of the core pipeline on ten real architectures, measured on real tensors.
+
+For each model, at budgets = baseline peak, minimum peak and two points between: the measured peak (live
+tensor-storage tracker, forward and backward) stays under the budget, outputs and gradients are bitwise
+equal to eager with the same seed, BatchNorm buffers match eager's, and the plan's predicted peak is within
+5% of the measured one.
+"""
+import copy
+
+import pytest
+import torch
+
+import autorecompute
+import models
+from conftest import SOLVER_TIME
+from harness import assert_bitwise_equal, measured_step
+
+
+def minimum_budget(model, case) -> int:
+    with pytest.raises(autorecompute.InfeasibleBudgetError) as info:
+        autorecompute.plan(model, *case.args, budget=1, solver_time_limit=SOLVER_TIME, **case.kwargs)
+    return info.value.minimum
+
+
+@pytest.mark.parametrize("name", list(models.ZOO))
+def test_measured_peak_within_budget_and_bitwise_gradients(name):
+    case = models.make(name)
+    model = case.model
+    initial = copy.deepcopy(model.state_dict())
+    eager = measured_step(model, model, case.args, case.kwargs, seed=1)
+    baseline = autorecompute.plan(model, *case.args, budget=1.0, solver_time_limit=SOLVER_TIME,
+                                  **case.kwargs).baseline_peak
+    minimum = minimum_budget(model, case)
+    assert minimum < baseline, f"{name}: nothing to save ({minimum} vs {baseline})"
+    budgets = [baseline, minimum, minimum + (baseline - minimum) // 3, minimum + 2 * (baseline - minimum) // 3]
+    recomputed = []
+    for budget in budgets:
+        model.load_state_dict(initial)
+        compiled = autorecompute.compile(model, budget=budget, solver_time_limit=SOLVER_TIME)
+        result = measured_step(compiled, model, case.args, case.kwargs, seed=1)
+        plan = compiled.plan
+        assert result.peak <= budget, f"{name}: measured {result.peak} > budget {budget}"
+        assert plan.predicted_peak <= budget
+        assert abs(plan.predicted_peak - result.peak) <= 0.05 * result.peak, (plan.predicted_peak, result.peak)
+        assert_bitwise_equal(eager, result)
+        for key, value in eager.buffers.items():
+            assert torch.equal(value, result.buffers[key]), f"{name}: buffer {key} differs from eager"
+        recomputed.append(plan.count("recompute"))
+    assert recomputed[0] == 0 and recomputed[1] > 0
+
+
+def test_batchnorm_running_stats_updated_exactly_once():
+    case = models.make("resnet")
+    model = case.model
+    initial = copy.deepcopy(model.state_dict())
+    eager = measured_step(model, model, case.args, case.kwargs)
+    model.load_state_dict(initial)
+    compiled = autorecompute.compile(model, budget=minimum_budget(model, case), solver_time_limit=SOLVER_TIME)
+    model.load_state_dict(initial)
+    result = measured_step(compiled, model, case.args, case.kwargs)
+    recomputed_bn = [n for n, a in compiled.plan.decisions.items() if a == "recompute" and "batch_norm" in n]
+    assert recomputed_bn, "the test needs a plan that recomputes BatchNorm"
+    for key in ("running_mean", "running_var", "num_batches_tracked"):
+        names = [n for n in eager.buffers if n.endswith(key)]
+        assert names
+        for n in names:
+            assert torch.equal(eager.buffers[n], result.buffers[n]), n
+    assert all(result.buffers[n].item() == 1 for n in result.buffers if n.endswith("num_batches_tracked"))
+
+
+def test_dropout_masks_are_replayed():
+    case = models.make("gpt")
+    model = case.model
+    compiled = autorecompute.compile(model, budget=minimum_budget(model, case), solver_time_limit=SOLVER_TIME)
+    for seed in (3, 4):
+        eager = measured_step(model, model, case.args, case.kwargs, seed=seed)
+        result = measured_step(compiled, model, case.args, case.kwargs, seed=seed)
+        assert any("dropout" in n for n, a in compiled.plan.decisions.items() if a == "recompute")
+        assert_bitwise_equal(eager, result)
+    other = measured_step(model, model, case.args, case.kwargs, seed=5)
+    assert not torch.equal(other.outputs[0], result.outputs[0]), "dropout is active: seeds must matter"
+
+
+def test_infeasible_budget_error_and_its_minimum_is_accepted():
+    case = models.make("mlp")
+    model = case.model
+    with pytest.raises(autorecompute.InfeasibleBudgetError) as info:
+        autorecompute.plan(model, *case.args, budget="1MB", solver_time_limit=SOLVER_TIME)
+    error = info.value
+    assert isinstance(error, ValueError)
+    assert error.minimum > 1_000_000 and str(error.minimum) in str(error)
+    for kind in ("parameters", "inputs", "activations"):
+        assert kind in str(error) and kind in error.breakdown
+    compiled = autorecompute.compile(model, budget=error.minimum, solver_time_limit=SOLVER_TIME)
+    result = measured_step(compiled, model, case.args, case.kwargs)
+    assert result.peak <= error.minimum
+
+
+def test_uncapturable_model_raises_capture_error():
+    class DataDependent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.sum().item() > 0:       # data-dependent Python control flow
+                return self.lin(x)
+            return -self.lin(x)
+
+    with pytest.raises(autorecompute.CaptureError, match="torch.export could not capture DataDependent"):
+        autorecompute.plan(DataDependent(), torch.randn(2, 4), budget="1GB")

@@ -1,0 +1,143 @@
+"""CP-SAT against brute force on tiny problems, and the memory model's rules on hand-built cases."""
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autorecompute.memory_model import extra_cost, memory_timeline, predicted_peak
+from autorecompute.problem import Activation, Problem
+from autorecompute.solvers import cpsat, greedy
+
+MIB = 2**20
+
+
+def chain_problem(n: int = 4, nbytes: int = MIB) -> Problem:
+    """A chain of n ops; op i's output is saved by op i+1 (like linear → linear). Forward positions
+    0..n-1, backward positions n..2n-1 (op n-1's backward first)."""
+    chain = tuple(f"op{i}" for i in range(n))
+    acts = []
+    for i in range(n - 1):
+        saver = f"op{i + 1}"
+        bpos = n + (n - 1 - (i + 1))
+        acts.append(Activation(name=f"t{i}", owner=f"op{i}", nbytes=nbytes, hold_start=i + 2, savers=(saver,),
+                               readers=(saver,), save_end=bpos, read_end=bpos))
+    return Problem(chain=chain, recomputable=frozenset(chain[:-1]), cost={op: 1 + i for i, op in enumerate(chain)},
+                   flops={op: 100 for op in chain}, activations=tuple(acts), fixed=tuple([0] * (2 * n)),
+                   num_forward=n, backward_op={n + (n - 1 - i): f"op{i}" for i in range(n)})
+
+
+def all_assignments(problem):
+    ops = sorted(problem.recomputable)
+    for bits in itertools.product([False, True], repeat=len(ops)):
+        yield dict(zip(ops, bits))
+
+
+def test_keep_all_holds_every_saved_tensor():
+    p = chain_problem(4)
+    assert predicted_peak(p, {}) == 3 * MIB
+
+
+def test_recomputing_a_lone_op_saves_nothing_when_its_saver_is_kept():
+    p = chain_problem(4)
+    # op1 recomputed alone: its output t1 is saved by op2 (kept) → still held; its input t0 is held as a
+    # region input → nothing saved, cost paid.
+    assert memory_timeline(p, {"op1": True}) == memory_timeline(p, {})
+
+
+def test_recomputing_a_run_drops_its_interior():
+    p = chain_problem(6)
+    plan = {"op1": True, "op2": True, "op3": True}
+    assert predicted_peak(p, plan) < predicted_peak(p, {})
+
+
+@pytest.mark.parametrize("n", [3, 5, 6])
+def test_min_peak_matches_brute_force(n):
+    p = chain_problem(n)
+    best = min(predicted_peak(p, r) for r in all_assignments(p))
+    result = cpsat.solve(p, minimize="peak", time_limit=5)
+    assert result.status == "optimal"
+    assert predicted_peak(p, result.recompute) == best
+    assert result.objective == best
+
+
+@pytest.mark.parametrize("n", [4, 6])
+def test_min_cost_matches_brute_force(n):
+    p = chain_problem(n)
+    peaks = sorted({predicted_peak(p, r) for r in all_assignments(p)})
+    for budget in peaks:
+        best = min(extra_cost(p, r) for r in all_assignments(p) if predicted_peak(p, r) <= budget)
+        result = cpsat.solve(p, budget=budget, minimize="cost", time_limit=5)
+        assert result.status == "optimal"
+        assert predicted_peak(p, result.recompute) <= budget
+        assert extra_cost(p, result.recompute) == best
+
+
+@st.composite
+def random_problems(draw):
+    n = draw(st.integers(3, 6))
+    chain = tuple(f"op{i}" for i in range(n))
+    num_forward = n
+    num_backward = n
+    positions = num_forward + num_backward
+    order = list(range(n))[::-1]
+    if draw(st.booleans()):      # autograd may interleave branches: perturb the backward order a little
+        i = draw(st.integers(0, n - 2))
+        order[i], order[i + 1] = order[i + 1], order[i]
+    bpos = {f"op{j}": num_forward + k for k, j in enumerate(order)}
+    acts = []
+    for i in range(n):
+        for k in range(draw(st.integers(0, 2))):
+            readers = tuple(sorted(draw(st.sets(st.sampled_from(chain[i:]), max_size=2))))
+            savers = tuple(sorted(draw(st.sets(st.sampled_from(chain[i:]), max_size=2))))
+            last_use = max([i] + [int(r[2:]) for r in readers])
+            save_end = max([bpos[s] for s in savers], default=-1)
+            read_end = max([save_end] + [bpos[r] for r in readers if r != f"op{i}"])
+            acts.append(Activation(name=f"t{i}_{k}", owner=f"op{i}", nbytes=draw(st.integers(1, 8)) * 1000,
+                                   hold_start=last_use + 1, savers=savers,
+                                   readers=tuple(r for r in readers if r != f"op{i}"),
+                                   save_end=save_end, read_end=read_end))
+    recomputable = frozenset(draw(st.sets(st.sampled_from(chain), min_size=1)))
+    fixed = tuple(draw(st.lists(st.integers(0, 5000), min_size=positions, max_size=positions)))
+    return Problem(chain=chain, recomputable=recomputable, cost={op: draw(st.integers(1, 9)) for op in chain},
+                   flops={op: 1 for op in chain}, activations=tuple(acts), fixed=fixed, num_forward=num_forward,
+                   backward_op={p: op for op, p in bpos.items()})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_problems())
+def test_cpsat_agrees_with_the_memory_model_on_random_problems(problem):
+    """CP-SAT's optimum equals brute force over the memory model, for both objectives."""
+    assignments = list(all_assignments(problem))
+    peaks = [predicted_peak(problem, r) for r in assignments]
+    lowest = cpsat.solve(problem, minimize="peak", time_limit=5)
+    assert lowest.status == "optimal"
+    assert predicted_peak(problem, lowest.recompute) == min(peaks)
+    budget = sorted(peaks)[len(peaks) // 2]
+    cheapest = cpsat.solve(problem, budget=budget, minimize="cost", time_limit=5)
+    best = min(extra_cost(problem, r) for r, p in zip(assignments, peaks) if p <= budget)
+    assert cheapest.status == "optimal"
+    assert predicted_peak(problem, cheapest.recompute) <= budget
+    assert extra_cost(problem, cheapest.recompute) == best
+
+
+def test_hint_is_kept_as_a_solution():
+    p = chain_problem(6)
+    hint = greedy.lowest_peak(p)
+    result = cpsat.solve(p, budget=predicted_peak(p, hint), minimize="cost", time_limit=2, hint=hint)
+    assert result.recompute is not None
+    assert extra_cost(p, result.recompute) <= extra_cost(p, hint)
+
+
+def test_infeasible_budget_reports_no_solution():
+    p = chain_problem(4)
+    result = cpsat.solve(p, budget=1, minimize="cost", time_limit=2)
+    assert result.recompute is None and result.status == "infeasible"
+
+
+def test_segment_heuristic_fits_what_it_claims():
+    p = chain_problem(8)
+    for budget in sorted({predicted_peak(p, r) for r in greedy.candidates(p)}):
+        plan = greedy.cheapest_under(p, budget)
+        assert plan is not None and predicted_peak(p, plan) <= budget
+        assert predicted_peak(p, greedy.descend(p, budget, plan)) <= budget
