@@ -114,7 +114,7 @@ class CompiledModule(torch.nn.Module):
 
 
 def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple[str, ...] = ("recompute",),
-            solver_time_limit: float = 2.0, seed: int = 0) -> CompiledModule:
+            solver_time_limit: float = 8.0, seed: int = 0) -> CompiledModule:
     """Wraps ``model`` so each training step fits in ``budget`` bytes, planning lazily per input signature.
 
     Args:
@@ -148,7 +148,7 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
 
 
 def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tuple[str, ...] = ("recompute",),
-         solver_time_limit: float = 2.0, seed: int = 0, **kwargs) -> Plan:
+         solver_time_limit: float = 8.0, seed: int = 0, **kwargs) -> Plan:
     """Plans ``model`` for the example inputs without running a training step.
 
     Inputs and model may live on the ``meta`` device: planning runs on fake tensors and allocates nothing.

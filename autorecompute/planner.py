@@ -37,7 +37,7 @@ class PlannerOptions:
     """Knobs of the planner, validated once at ``compile``/``plan`` time."""
 
     actions: tuple[str, ...] = ("recompute",)
-    solver_time_limit: float = 2.0
+    solver_time_limit: float = 8.0
     seed: int = 0
 
     def __post_init__(self):
@@ -132,7 +132,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
                 break   # tighter than the model's own minimum: the minimum-peak plan is the answer
             start = greedy.cheapest_under(problem, internal) or minimum_recompute
             hint = greedy.descend(problem, internal, start)
-            result = cpsat.solve(problem, budget=internal, minimize="cost", time_limit=options.solver_time_limit / 2,
+            result = cpsat.solve(problem, budget=internal, minimize="cost", time_limit=options.solver_time_limit,
                                  seed=options.seed, hint=hint)
             solve_time += result.wall_time
             best, status = hint, f"heuristic (cp-sat {result.status})"

@@ -221,7 +221,7 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
 
     solver = cp_model.CpSolver()
     # The deterministic limit keeps plans reproducible; the wall-clock limit is a safety net.
-    solver.parameters.max_deterministic_time = time_limit / 4
+    solver.parameters.max_deterministic_time = time_limit
     solver.parameters.max_time_in_seconds = time_limit
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = workers

@@ -1,0 +1,92 @@
+"""The public surface: shared state, pass-through modes, lazy per-signature plans, output structure."""
+import torch
+
+import autorecompute
+import models
+from autorecompute.plan import Plan
+from conftest import SOLVER_TIME
+from harness import measured_step
+
+
+def test_compiled_module_shares_parameters_buffers_and_state_dict_keys():
+    case = models.make("resnet")
+    model = case.model
+    compiled = autorecompute.compile(model, budget=0.9, solver_time_limit=SOLVER_TIME)
+    assert list(compiled.state_dict().keys()) == list(model.state_dict().keys())
+    assert all(a is b for a, b in zip(compiled.parameters(), model.parameters()))
+    assert all(a is b for a, b in zip(compiled.buffers(), model.buffers()))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    compiled(*case.args).sum().backward()
+    optimizer.step()
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_train_eval_and_no_grad_pass_through_without_planning():
+    case = models.make("mlp")
+    compiled = autorecompute.compile(case.model, budget=0.5, solver_time_limit=SOLVER_TIME)
+    compiled.eval()
+    assert not case.model.training
+    out = compiled(*case.args)
+    assert compiled.plan is None and torch.equal(out, case.model(*case.args))
+    compiled.train()
+    assert case.model.training
+    with torch.no_grad():
+        compiled(*case.args)
+    assert compiled.plan is None
+
+
+def test_plans_are_cached_per_input_signature():
+    case = models.make("mlp")
+    compiled = autorecompute.compile(case.model, budget=0.6, solver_time_limit=SOLVER_TIME)
+    compiled(*case.args).sum().backward()
+    first = compiled.plan
+    compiled(*case.args).sum().backward()
+    assert compiled.plan is first
+    compiled(case.args[0][:512]).sum().backward()
+    assert compiled.plan is not first and len(compiled.plans) == 2
+
+
+def test_huggingface_output_structure_is_kept():
+    case = models.make("gpt2")
+    model = case.model
+    compiled = autorecompute.compile(model, budget=0.6, solver_time_limit=SOLVER_TIME)
+    torch.manual_seed(0)
+    eager_out = model(*case.args)
+    compiled.prepare(*case.args)
+    torch.manual_seed(0)
+    out = compiled(*case.args)
+    assert type(out) is type(eager_out)
+    assert set(out.keys()) == set(eager_out.keys())
+    assert torch.equal(out.logits, eager_out.logits)
+    assert compiled.config is model.config       # attributes of the model are reachable
+
+
+def test_plan_round_trips_through_json_and_reads_well():
+    case = models.make("gpt")
+    plan = autorecompute.plan(case.model, *case.args, budget=0.5, solver_time_limit=SOLVER_TIME)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    text = str(plan)
+    assert "budget" in text and "recompute" in text and "blocks" in text
+    assert plan.to_dot().startswith("digraph")
+    assert sum(1 for row in plan.table() if row["action"] == "recompute") == plan.count("recompute")
+
+
+def test_rewritten_graph_shows_checkpoint_regions():
+    case = models.make("mlp")
+    compiled = autorecompute.compile(case.model, budget=0.5, solver_time_limit=SOLVER_TIME)
+    result = measured_step(compiled, case.model, case.args, case.kwargs)
+    code = compiled.graph_module.code
+    assert "recompute_region_0" in code
+    assert result.peak <= compiled.plan.budget
+
+
+def test_planning_does_not_move_the_rng_stream():
+    case = models.make("gpt")
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    compiled = autorecompute.compile(case.model, budget=0.5, solver_time_limit=SOLVER_TIME)
+    compiled.prepare(*case.args)
+    assert torch.equal(torch.rand(3), expected)

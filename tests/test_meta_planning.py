@@ -1,0 +1,19 @@
+"""Planning a 12-layer GPT-2 (hidden 768, seq 1024, batch 8) on the meta device: nothing is allocated."""
+import torch
+
+import autorecompute
+
+
+def test_gpt2_small_plans_on_meta():
+    transformers = __import__("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (8, 1024), device="meta")
+    plan = autorecompute.plan(model, ids, budget=0.5, solver_time_limit=2.0)
+    assert plan.predicted_peak <= plan.budget < plan.baseline_peak
+    assert plan.baseline_peak > 10 * 2**30              # ≈ 26 GiB unoptimized: far beyond this machine
+    assert plan.solver_status and 0.0 <= plan.solver_gap <= 1.0
+    assert plan.count("recompute") > 0
+    assert all(p.device.type == "meta" for p in model.parameters())
