@@ -124,16 +124,16 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
             of forward to the end of backward: parameters, buffers, inputs, existing gradients, activations,
             temporaries and the gradients produced.
         actions: what the solver may use besides keeping a tensor; currently ``("recompute",)``.
-        solver_time_limit: CP-SAT deterministic time per solve (about seconds); the best plan found by then
-            is used.
+        solver_time_limit: seconds for the cost solve (the minimum-peak solve gets a quarter); the best
+            plan found by then is used.
         seed: CP-SAT's seed: same model, inputs and seed give the same plan.
 
     Example:
         >>> import autorecompute, torch
         >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh())
         ...                               for _ in range(8)])
-        >>> opt = autorecompute.compile(model, budget=0.8)
-        >>> opt(torch.randn(512, 256)).sum().backward()
+        >>> opt = autorecompute.compile(model, budget=0.7, solver_time_limit=1.0)
+        >>> opt(torch.randn(4096, 256)).sum().backward()
         >>> opt.plan.predicted_peak <= opt.plan.budget
         True
 

@@ -73,10 +73,10 @@ def rewrite_recompute(gm: torch.fx.GraphModule, decisions: Mapping[str, str]) ->
 
     Example:
         >>> import torch.fx
-        >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()))
-        >>> gm = rewrite_recompute(gm, {"_0": "recompute", "_1": "recompute"})
-        >>> "recompute_region_0" in gm.code
-        True
+        >>> gm = torch.fx.symbolic_trace(lambda x: torch.tanh(torch.sin(x)) * 2)
+        >>> gm = rewrite_recompute(gm, {"sin": "recompute", "tanh": "recompute"})
+        >>> print(gm.code.strip().splitlines()[1].strip())
+        recompute_region_0 = self.recompute_region_0(x);  x = None
     """
     for k, region in enumerate(find_regions(gm.graph, decisions)):
         _outline(gm, region, f"recompute_region_{k}")

@@ -22,7 +22,7 @@ class CheckpointRegion(torch.nn.Module):
         ...                           preserve_rng_state=False)
         >>> x = torch.randn(4, requires_grad=True)
         >>> region(x)[0].sum().backward()
-        >>> torch.allclose(x.grad, -x.cos().sin() * x.cos())
+        >>> torch.allclose(x.grad, -x.sin().sin() * x.cos())
         True
     """
 

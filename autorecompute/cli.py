@@ -1,0 +1,121 @@
+"""Command line: ``autorecompute demo`` and ``autorecompute plan MODULE:FACTORY``."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import sys
+import time
+
+import torch
+
+DEMO_HELP = "train a small embedded GPT under half its unoptimized peak and compare with sqrt(N) checkpointing"
+
+
+def _demo_model():
+    """The embedded default model: a 6-layer GPT with dropout (batch 8, sequence 128)."""
+    from autorecompute._demo_model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(layers=6, d=128, heads=4, vocab=512, seq=128)
+    return model, torch.randint(0, 512, (8, 128))
+
+
+def demo(args: argparse.Namespace) -> int:
+    import autorecompute
+    from autorecompute.baselines import SqrtNCheckpointed
+    from autorecompute.budget import format_bytes
+    from autorecompute.runtime.memory import LiveStorageTracker, tensor_bytes
+
+    model, tokens = _demo_model()
+    targets = torch.roll(tokens, -1, dims=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)   # stateless: all memory of a step is measured
+
+    def step(module) -> tuple[float, int]:
+        optimizer.zero_grad(set_to_none=True)
+        resident = tensor_bytes([*model.parameters(), *model.buffers(), tokens, targets])
+        tracker = LiveStorageTracker()
+        with tracker:
+            logits = module(tokens)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss.backward()
+        optimizer.step()
+        return loss.item(), resident + tracker.peak
+
+    eager_loss, eager_peak = step(model)
+    budget = eager_peak // 2
+    print(f"demo model: 6-layer GPT, batch 8 x 128 tokens; eager step peak {format_bytes(eager_peak)}")
+    print(f"budget: half of it, {format_bytes(budget)}\n")
+    compiled = autorecompute.compile(model, budget=budget, solver_time_limit=args.solver_time_limit)
+    started = time.perf_counter()
+    compiled.prepare(tokens)
+    print(compiled.plan)
+    print(f"\nplanned in {time.perf_counter() - started:.1f} s; training {args.steps} steps:")
+    worst = 0
+    for i in range(args.steps):
+        loss, peak = step(compiled)
+        worst = max(worst, peak)
+        print(f"  step {i + 1}: loss {loss:.4f}, measured peak {format_bytes(peak)} "
+              f"({'<=' if peak <= budget else '>'} budget {format_bytes(budget)})")
+    sqrt_n = SqrtNCheckpointed(model, "blocks")
+    _, sqrt_peak = step(sqrt_n)
+    print(f"\nsqrt(N) checkpointing ({sqrt_n.segments} segments of {len(model.blocks)} blocks): "
+          f"peak {format_bytes(sqrt_peak)}")
+    print(f"autorecompute: peak {format_bytes(worst)} at budget {format_bytes(budget)}, "
+          f"{100 * compiled.plan.extra_flops_ratio:.0f}% extra forward FLOPs")
+    ok = worst <= budget
+    print("OK: measured peak <= budget" if ok else "FAILED: measured peak above budget")
+    return 0 if ok else 1
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    import autorecompute
+
+    module_name, _, factory_name = args.factory.partition(":")
+    if not factory_name:
+        print(f"error: expected MODULE:FACTORY, got {args.factory!r}", file=sys.stderr)
+        return 2
+    sys.path.insert(0, ".")
+    factory = getattr(importlib.import_module(module_name), factory_name)
+    made = factory()
+    model, example = (made if isinstance(made, tuple) else (made, None))
+    if args.input_shape:
+        shape = [int(s) for s in args.input_shape.split(",")]
+        example = (torch.randn(*shape),)
+    if example is None:
+        print("error: the factory returned no inputs; pass --input-shape", file=sys.stderr)
+        return 2
+    example = example if isinstance(example, tuple) else (example,)
+    try:
+        plan = autorecompute.plan(model, *example, budget=args.budget, solver_time_limit=args.solver_time_limit)
+    except autorecompute.InfeasibleBudgetError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(plan)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(plan.to_json() if args.out.endswith(".json") else plan.to_dot())
+        print(f"wrote {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="autorecompute", description="Fit PyTorch training into a memory budget.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help=DEMO_HELP, description=DEMO_HELP)
+    d.add_argument("--steps", type=int, default=3)
+    d.add_argument("--solver-time-limit", type=float, default=4.0)
+    d.set_defaults(run=demo)
+    p = sub.add_parser("plan", help="plan a model from MODULE:FACTORY (returns model[, example inputs])")
+    p.add_argument("factory")
+    p.add_argument("--budget", required=True, help="bytes, '12GB', '1.5GiB', or a fraction like 0.5")
+    p.add_argument("--input-shape", help="comma-separated shape of one float input, e.g. 8,3,224,224")
+    p.add_argument("--out", help="write the plan as .json or .dot")
+    p.add_argument("--solver-time-limit", type=float, default=8.0)
+    p.set_defaults(run=plan_command)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
