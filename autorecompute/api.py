@@ -18,17 +18,23 @@ if os.environ.get("AUTORECOMPUTE_LOG"):
     log.setLevel(os.environ["AUTORECOMPUTE_LOG"].upper())
 
 
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        grad = ",grad" if value.requires_grad else ""
+        return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}@{value.device}{grad}"
+    return repr(value)
+
+
 def input_signature(args: tuple, kwargs: dict) -> str:
-    """What a plan depends on: shapes, dtypes, devices, requires_grad of tensors; other values by repr."""
-    flat, spec = tree_flatten((args, kwargs))
-    parts = []
-    for value in flat:
-        if isinstance(value, torch.Tensor):
-            grad = ",grad" if value.requires_grad else ""
-            parts.append(f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}@{value.device}{grad}")
-        else:
-            parts.append(repr(value))
-    return f"({', '.join(parts)}) {spec}"
+    """What a plan depends on, readable: shapes, dtypes, devices, requires_grad of tensors; other values by
+    repr; keyword names. ``input_signature((torch.ones(2, 3),), {}) == "(float32[2, 3]@cpu)"``."""
+    parts = [_describe(v) for v in tree_flatten(list(args))[0]]
+    parts += [f"{k}={_describe(v)}" for k, value in kwargs.items() for v in tree_flatten(value)[0]]
+    return f"({', '.join(parts)})"
+
+
+def _cache_key(args: tuple, kwargs: dict) -> str:
+    return f"{input_signature(args, kwargs)} {tree_flatten((args, kwargs))[1]}"   # + the nesting structure
 
 
 class CompiledModule(torch.nn.Module):
@@ -71,7 +77,7 @@ class CompiledModule(torch.nn.Module):
     @property
     def plans(self) -> dict[str, Plan]:
         """Every plan made so far, by input signature."""
-        return {sig: planned.plan for sig, planned in self._plans.items()}
+        return {planned.plan.signature: planned.plan for planned in self._plans.values()}
 
     def train(self, mode: bool = True) -> "CompiledModule":
         self._model.train(mode)
@@ -97,13 +103,14 @@ class CompiledModule(torch.nn.Module):
         return self._planned(args, kwargs).plan
 
     def _planned(self, args: tuple, kwargs: dict) -> Planned:
+        key = _cache_key(args, kwargs)
         signature = input_signature(args, kwargs)
-        planned = self._plans.get(signature)
+        planned = self._plans.get(key)
         if planned is None:
             log.info("planning %s for %s", type(self._model).__name__, signature)
             with torch.random.fork_rng(devices=[]):   # planning must not move the user's RNG stream
                 planned = make_plan(self._model, args, kwargs, self._budget, self._options, signature)
-            self._plans[signature] = planned
+            self._plans[key] = planned
         self.__dict__["_last"] = planned
         return planned
 

@@ -93,10 +93,18 @@ def plan_command(args: argparse.Namespace) -> int:
         return 1
     print(plan)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(plan.to_json() if args.out.endswith(".json") else plan.to_dot())
+        plan.save(args.out)
         print(f"wrote {args.out}")
     return 0
+
+
+def budget_arg(text: str):
+    """A CLI budget: "0.5" is a fraction of the unoptimized peak, "12000000" bytes, "12GB" a size."""
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return number if number <= 1.0 else int(number)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,11 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--steps", type=int, default=3)
     d.add_argument("--solver-time-limit", type=float, default=4.0)
     d.set_defaults(run=demo)
-    p = sub.add_parser("plan", help="plan a model from MODULE:FACTORY (returns model[, example inputs])")
+    p = sub.add_parser("plan", help="plan a model from MODULE:FACTORY without training",
+                       description="Plan a model without training. FACTORY is a function of MODULE returning a "
+                                   "model, or (model, example inputs).")
     p.add_argument("factory")
-    p.add_argument("--budget", required=True, help="bytes, '12GB', '1.5GiB', or a fraction like 0.5")
+    p.add_argument("--budget", required=True, type=budget_arg,
+                   help="bytes, '12GB', '1.5GiB', or a fraction of the unoptimized peak like 0.5")
     p.add_argument("--input-shape", help="comma-separated shape of one float input, e.g. 8,3,224,224")
-    p.add_argument("--out", help="write the plan as .json or .dot")
+    p.add_argument("--out", help="also write the plan: .html (one page), .json, .dot, .svg or .png (timeline)")
     p.add_argument("--solver-time-limit", type=float, default=8.0)
     p.set_defaults(run=plan_command)
     args = parser.parse_args(argv)

@@ -15,6 +15,7 @@ checks both on every assignment of small problems). Regions are the maximal runs
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
 from autorecompute.problem import Problem
@@ -32,18 +33,26 @@ def region_ids(problem: Problem, recompute: Mapping[str, bool]) -> list[int]:
     return ids
 
 
-def memory_timeline(problem: Problem, recompute: Mapping[str, bool]) -> list[int]:
-    """Predicted bytes at every position for the decisions ``recompute`` (op → bool).
+@dataclass(frozen=True)
+class Timeline:
+    """Predicted bytes per position, split by what decides them.
 
-    Example:
-        >>> from autorecompute.problem import Activation, Problem
-        >>> act = Activation("h", owner="fc", nbytes=100, hold_start=2, savers=("act",), readers=("act",),
-        ...                  save_end=3, read_end=3)
-        >>> problem = Problem(chain=("fc", "act"), recomputable=frozenset({"fc"}), cost={"fc": 1, "act": 1},
-        ...                   flops={}, activations=(act,), fixed=(10, 10, 10, 10), num_forward=2)
-        >>> memory_timeline(problem, {"fc": False}), memory_timeline(problem, {"fc": True})
-        ([10, 10, 110, 110], [10, 10, 110, 110])
+    ``fixed``: no decision changes it (resident state, gradients, activations in their forward life,
+    temporaries); ``held``: activations kept after their last forward use (by autograd or as region
+    inputs); ``recomputed``: activations rematerialized in backward. ``total = fixed + held + recomputed``.
     """
+
+    fixed: tuple[int, ...]
+    held: tuple[int, ...]
+    recomputed: tuple[int, ...]
+
+    @property
+    def total(self) -> list[int]:
+        return [f + h + r for f, h, r in zip(self.fixed, self.held, self.recomputed)]
+
+
+def memory_components(problem: Problem, recompute: Mapping[str, bool]) -> Timeline:
+    """The predicted memory of every position for the decisions ``recompute`` (op → bool), by component."""
     index = problem.index()
     first_saver = _first_savers(problem, index)
     region = region_ids(problem, recompute)
@@ -78,15 +87,28 @@ def memory_timeline(problem: Problem, recompute: Mapping[str, bool]) -> list[int
     for i in range(len(problem.chain)):
         running += remat_delta[i]
         remat.append(running)
-    memory, running = [], 0
+    held, recomputed, running = [], [], 0
     for p in range(problem.num_positions):
         running += delta[p]
-        level = problem.fixed[p] + running
+        held.append(running)
         op = problem.backward_op.get(p)
-        if op is not None and op in index:
-            level += remat[index[op]]
-        memory.append(level)
-    return memory
+        recomputed.append(remat[index[op]] if op is not None and op in index else 0)
+    return Timeline(fixed=tuple(problem.fixed), held=tuple(held), recomputed=tuple(recomputed))
+
+
+def memory_timeline(problem: Problem, recompute: Mapping[str, bool]) -> list[int]:
+    """Predicted bytes at every position for the decisions ``recompute`` (op → bool).
+
+    Example:
+        >>> from autorecompute.problem import Activation, Problem
+        >>> act = Activation("h", owner="fc", nbytes=100, hold_start=2, savers=("act",), readers=("act",),
+        ...                  save_end=3, read_end=3)
+        >>> problem = Problem(chain=("fc", "act"), recomputable=frozenset({"fc"}), cost={"fc": 1, "act": 1},
+        ...                   flops={}, activations=(act,), fixed=(10, 10, 10, 10), num_forward=2)
+        >>> memory_timeline(problem, {"fc": False}), memory_timeline(problem, {"fc": True})
+        ([10, 10, 110, 110], [10, 10, 110, 110])
+    """
+    return memory_components(problem, recompute).total
 
 
 def _first_savers(problem: Problem, index: Mapping[str, int]) -> dict[str, str | None]:

@@ -49,6 +49,11 @@ class Plan:
         plan_time: seconds from capture to verified plan.
         resident: bytes live at the start of the step (parameters, buffers, inputs, gradients).
         signature: the input signature this plan is for.
+        edges: (producer, consumer, bytes) between decided ops, for graph dumps.
+        timeline: predicted bytes per position of the step (forward ops, then backward events) for this
+            plan — ``resident``, ``fixed`` (everything no decision changes), ``held`` (activations kept
+            for backward), ``recomputed`` — and ``baseline`` (the total with nothing recomputed).
+        num_forward: number of forward positions in ``timeline`` (the rest are backward events).
     """
 
     budget: int
@@ -68,6 +73,9 @@ class Plan:
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     model_name: str = ""
     signature: str = ""
+    edges: tuple[tuple[str, str, int], ...] = ()
+    timeline: dict[str, list[int]] = field(default_factory=dict)
+    num_forward: int = 0
 
     # ---- queries -------------------------------------------------------------------------------------
     def count(self, action: str) -> int:
@@ -80,15 +88,22 @@ class Plan:
         return self.extra_flops / self.baseline_flops if self.baseline_flops else 0.0
 
     def table(self) -> list[dict[str, Any]]:
-        """One row per decided op, in graph order: name, module, shape, dtype, bytes, held bytes, action."""
+        """One row per decided op, in graph order: name, module, shape, dtype, bytes, held bytes (what
+        autograd keeps of it when nothing is recomputed), FLOPs, action, and why."""
         rows = []
         for name, action in self.decisions.items():
-            node = self.nodes.get(name)
-            rows.append({"name": name, "action": action, "module": node.module if node else "",
-                         "shape": tuple(node.shape) if node else (), "dtype": node.dtype if node else "",
-                         "bytes": node.nbytes if node else 0, "held_bytes": node.held_bytes if node else 0,
-                         "flops": node.flops if node else 0})
+            node = self.nodes.get(name) or NodeRecord((), "", 0, 0, 0, "")
+            rows.append({"name": name, "action": action, "module": node.module, "shape": tuple(node.shape),
+                         "dtype": node.dtype, "bytes": node.nbytes, "held_bytes": node.held_bytes,
+                         "flops": node.flops, "why": _why(action, node)})
         return rows
+
+    def bytes_by_action(self) -> dict[str, int]:
+        """Bytes of activations each action takes off the held set (``keep``: what stays held)."""
+        totals: dict[str, int] = {}
+        for row in self.table():
+            totals[row["action"]] = totals.get(row["action"], 0) + row["held_bytes"]
+        return totals
 
     # ---- serialization -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -111,6 +126,7 @@ class Plan:
         data = {k: v for k, v in data.items() if k in known}
         data["actions"] = tuple(data.get("actions", ()))
         data["nodes"] = {k: NodeRecord(**{**v, "shape": tuple(v["shape"])}) for k, v in data["nodes"].items()}
+        data["edges"] = tuple(tuple(e) for e in data.get("edges", ()))
         return cls(**data)
 
     # ---- reading ---------------------------------------------------------------------------------------
@@ -125,6 +141,8 @@ class Plan:
             f"  resident        " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.resident.items() if v),
             f"  recompute       {self.count('recompute')} of {len(self.decisions)} ops, extra FLOPs "
             f"{self.extra_flops:.3g} ({100 * self.extra_flops_ratio:.1f}% of forward)",
+            "  held activations by action: " + ", ".join(
+                f"{action} {format_bytes(n)}" for action, n in sorted(self.bytes_by_action().items())),
             f"  solver          {self.solver_status}, {self.solver_time:.2f} s, gap {100 * self.solver_gap:.1f}%"
             f"; plan made in {self.plan_time:.2f} s",
         ])
@@ -135,7 +153,33 @@ class Plan:
         return self.summary() + "\n" + format_table(self)
 
     def to_dot(self) -> str:
-        """Graphviz DOT of the decided ops, colored by action."""
+        """Graphviz DOT of the decided ops: clusters per module, filled by action, bytes on edges, a legend."""
         from autorecompute.report import plan_to_dot
 
         return plan_to_dot(self)
+
+    def save(self, path: str) -> str:
+        """Writes the plan as ``.dot``, ``.svg`` (Graphviz), ``.json``, ``.html`` (one self-contained page:
+        summary, table, graph, timeline) or ``.png`` (the memory timeline); returns ``path``."""
+        from autorecompute.report import save_plan
+
+        return save_plan(self, path)
+
+    def plot_memory(self, path: str | None = None, ax=None):
+        """Memory over the step, stacked by kind, with the budget and the peak; needs matplotlib.
+
+        Saves a PNG to ``path`` when given; returns the matplotlib Axes.
+        """
+        from autorecompute.report import plot_memory
+
+        return plot_memory(self, path, ax)
+
+
+def _why(action: str, node: NodeRecord) -> str:
+    if action == "recompute":
+        if node.flops == 0:
+            return f"frees {format_bytes(node.held_bytes)}, no FLOPs (memory-bound op)"
+        return f"frees {format_bytes(node.held_bytes)}, {node.held_bytes / node.flops:.3g} B per extra FLOP"
+    if node.held_bytes == 0:
+        return "nothing held for backward"
+    return f"kept: {format_bytes(node.held_bytes)} fit the budget"

@@ -6,8 +6,8 @@ fallback. A returned plan therefore never predicts more than its budget.
 """
 from __future__ import annotations
 
-import copy
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
@@ -16,7 +16,7 @@ import torch.fx
 
 from autorecompute.budget import parse_budget, resolve_budget
 from autorecompute.errors import InfeasibleBudgetError
-from autorecompute.memory_model import extra_cost, extra_flops, predicted_peak
+from autorecompute.memory_model import extra_cost, extra_flops, memory_components, memory_timeline, predicted_peak
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import node_info, step_profile, profile_step
@@ -64,7 +64,7 @@ def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     if isinstance(output, tuple):
         output_value, _ = output
         graph.output(output_value)
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    graph._codegen = gm.graph._codegen      # pytree in/out specs: immutable, shared
     clone = torch.fx.GraphModule(gm, graph)
     clone.meta = dict(gm.meta)
     return clone
@@ -100,8 +100,9 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     # 1. The lowest peak reachable: the minimum budget, the fallback, and the hint of the cost solve.
     t = time.perf_counter()
     heuristic = greedy.lowest_peak(problem)
+    progress = sys.stderr.isatty()    # a live status line for people, nothing in logs and pipes
     lowest = cpsat.solve(problem, minimize="peak", time_limit=options.solver_time_limit / 4, seed=options.seed,
-                         hint=heuristic)
+                         hint=heuristic, progress=progress)
     minimum_recompute = min([r for r in (lowest.recompute, heuristic) if r is not None],
                             key=lambda r: (predicted_peak(problem, r), extra_cost(problem, r)))
     minimum_model_peak = predicted_peak(problem, minimum_recompute)
@@ -133,7 +134,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
             start = greedy.cheapest_under(problem, internal) or minimum_recompute
             hint = greedy.descend(problem, internal, start)
             result = cpsat.solve(problem, budget=internal, minimize="cost", time_limit=options.solver_time_limit,
-                                 seed=options.seed, hint=hint)
+                                 seed=options.seed, hint=hint, progress=progress)
             solve_time += result.wall_time
             best, status = hint, f"heuristic (cp-sat {result.status})"
             if result.recompute is not None and extra_cost(problem, result.recompute) < extra_cost(problem, hint) \
@@ -161,9 +162,27 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
         extra_flops=extra_flops(problem, chosen), baseline_flops=sum(problem.flops.values()),
         solver_status=status, solver_time=solve_time, solver_gap=gap,
         plan_time=time.perf_counter() - started, actions=options.actions, resident=dict(profile.resident),
-        nodes=_node_records(gm, problem), model_name=type(model).__name__, signature=signature)
+        nodes=_node_records(gm, problem), model_name=type(model).__name__, signature=signature,
+        edges=_edges(gm, problem), timeline=_timeline(problem, chosen, profile.resident_bytes),
+        num_forward=problem.num_forward)
     log.debug("plan: %s", plan.summary())
     return Planned(plan=plan, module=module)
+
+
+def _timeline(problem: Problem, recompute: dict[str, bool], resident: int) -> dict[str, list[int]]:
+    parts = memory_components(problem, recompute)
+    return {"resident": [resident] * problem.num_positions, "fixed": list(parts.fixed), "held": list(parts.held),
+            "recomputed": list(parts.recomputed), "baseline": memory_timeline(problem, {})}
+
+
+def _edges(gm: torch.fx.GraphModule, problem: Problem) -> tuple[tuple[str, str, int], ...]:
+    totals: dict[tuple[str, str], int] = {}
+    for t in step_profile(gm).tensors.values():
+        if t.owner in problem.recomputable:
+            for reader in t.readers:
+                if reader in problem.recomputable and reader != t.owner:
+                    totals[(t.owner, reader)] = totals.get((t.owner, reader), 0) + t.nbytes
+    return tuple((a, b, n) for (a, b), n in totals.items())
 
 
 def _breakdown(profile, minimum_peak: int) -> dict[str, int]:

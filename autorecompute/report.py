@@ -1,7 +1,13 @@
-"""Reading a plan: a table grouped by module, and a Graphviz DOT dump."""
+"""Reading a plan: a folded table, a Graphviz graph, a memory timeline, one HTML page."""
 from __future__ import annotations
 
+import base64
+import html
+import io
+import shutil
+import subprocess
 from collections import defaultdict
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autorecompute.budget import format_bytes
@@ -9,49 +15,193 @@ from autorecompute.budget import format_bytes
 if TYPE_CHECKING:
     from autorecompute.plan import Plan
 
-COLORS = {"keep": "#d9ead3", "recompute": "#f9cb9c", "offload": "#9fc5e8", "compress": "#d5a6bd"}
+COLORS = {"keep": "#b6d7a8", "recompute": "#f6b26b", "offload": "#9fc5e8", "compress": "#d5a6bd"}
+MAX_GROUPS = 40
+GRAPHVIZ_MISSING = ("rendering SVG needs the Graphviz 'dot' program, which is not on PATH. Install it "
+                    "(Debian/Ubuntu: apt-get install graphviz; macOS: brew install graphviz; conda: conda install "
+                    "graphviz), or save as .dot and render it elsewhere")
 
 
-def format_table(plan: "Plan", max_rows_per_module: int = 6) -> str:
-    """Rows grouped by module path; long groups are folded to their largest tensors."""
+def _group_key(module: str, depth: int) -> str:
+    return ".".join(module.split(".")[:depth]) if module else "<root>"
+
+
+def group_depth(modules: list[str], max_groups: int = MAX_GROUPS) -> int:
+    """Deepest module-path depth at which the rows fall into at most ``max_groups`` groups."""
+    depth = 1
+    while depth < 12 and len({_group_key(m, depth + 1) for m in modules}) <= max_groups:
+        if {_group_key(m, depth + 1) for m in modules} == {_group_key(m, depth) for m in modules}:
+            break
+        depth += 1
+    return depth
+
+
+def format_table(plan: "Plan", max_rows_per_group: int = 6) -> str:
+    """Rows grouped by module path (folded to at most 40 groups), largest tensors first within a group."""
+    rows = plan.table()
+    depth = group_depth([r["module"] for r in rows])
     groups: dict[str, list[dict]] = defaultdict(list)
-    for row in plan.table():
-        groups[row["module"] or "<root>"].append(row)
-    lines = [f"  {'tensor':<28} {'shape':<22} {'dtype':<9} {'bytes':>11} {'action':<10}"]
-    for module, rows in groups.items():
-        recomputed = sum(r["held_bytes"] for r in rows if r["action"] == "recompute")
-        lines.append(f"  [{module}]  {len(rows)} ops" + (f", {format_bytes(recomputed)} not held" if recomputed
-                                                          else ""))
-        shown = sorted(rows, key=lambda r: -r["bytes"])[:max_rows_per_module]
-        for r in sorted(shown, key=lambda r: rows.index(r)):
+    for row in rows:
+        groups[_group_key(row["module"], depth)].append(row)
+    lines = [f"  {'tensor':<26} {'shape':<20} {'dtype':<8} {'bytes':>11} {'action':<9} why"]
+    for module, members in groups.items():
+        recomputed = sum(r["held_bytes"] for r in members if r["action"] == "recompute")
+        lines.append(f"  [{module}] {len(members)} ops" + (f", {format_bytes(recomputed)} recomputed instead of held"
+                                                           if recomputed else ""))
+        shown = sorted(members, key=lambda r: -r["bytes"])[:max_rows_per_group]
+        for r in sorted(shown, key=members.index):
             shape = "x".join(map(str, r["shape"])) or "-"
-            lines.append(f"    {r['name'][:26]:<26} {shape[:22]:<22} {r['dtype']:<9} "
-                         f"{format_bytes(r['bytes']):>11} {r['action']:<10}")
-        if len(rows) > len(shown):
-            lines.append(f"    ... {len(rows) - len(shown)} smaller ops")
+            lines.append(f"    {r['name'][:24]:<24} {shape[:20]:<20} {r['dtype'][:8]:<8} "
+                         f"{format_bytes(r['bytes']):>11} {r['action']:<9} {r['why']}")
+        if len(members) > len(shown):
+            lines.append(f"    ... {len(members) - len(shown)} smaller ops")
     return "\n".join(lines)
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def plan_to_dot(plan: "Plan") -> str:
-    """Graphviz DOT: one node per decided op, clustered by module, filled by action, with a legend."""
+    """Graphviz DOT: decided ops clustered by module, filled by action, bytes on edges, and a legend."""
+    depth = group_depth([n.module for n in plan.nodes.values()])
     clusters: dict[str, list[str]] = defaultdict(list)
     for name in plan.decisions:
         node = plan.nodes.get(name)
-        clusters[node.module if node else ""].append(name)
-    lines = ["digraph plan {", "  rankdir=TB; node [shape=box, style=filled, fontsize=10];"]
+        clusters[_group_key(node.module if node else "", depth)].append(name)
+    lines = ["digraph plan {",
+             f"  label={_quote(f'{plan.model_name}: budget {format_bytes(plan.budget)}, predicted peak {format_bytes(plan.predicted_peak)}')};",
+             "  labelloc=t; rankdir=TB; node [shape=box, style=filled, fontsize=10, fontname=Helvetica];",
+             "  edge [fontsize=8, color=gray40, fontname=Helvetica];"]
     for k, (module, names) in enumerate(clusters.items()):
-        lines.append(f"  subgraph cluster_{k} {{ label=\"{module or 'root'}\";")
+        lines.append(f"  subgraph cluster_{k} {{ label={_quote(module)}; style=rounded; color=gray70;")
         for name in names:
             node = plan.nodes.get(name)
             size = format_bytes(node.nbytes) if node else ""
-            lines.append(f"    \"{name}\" [label=\"{name}\\n{size}\", fillcolor=\"{COLORS[plan.decisions[name]]}\"];")
+            lines.append(f"    {_quote(name)} [label={_quote(name + chr(10) + size)}, "
+                         f"fillcolor={_quote(COLORS[plan.decisions[name]])}];")
         lines.append("  }")
-    names = list(plan.decisions)
-    for a, b in zip(names, names[1:]):
-        lines.append(f"  \"{a}\" -> \"{b}\" [color=gray];")
-    lines.append("  subgraph cluster_legend { label=\"legend\";")
-    for action in sorted({*plan.decisions.values()}):
-        lines.append(f"    \"legend_{action}\" [label=\"{action}\", fillcolor=\"{COLORS[action]}\"];")
+    for src, dst, nbytes in plan.edges:
+        lines.append(f"  {_quote(src)} -> {_quote(dst)} [label={_quote(format_bytes(nbytes))}];")
+    lines.append("  subgraph cluster_legend { label=\"legend\"; style=dashed;")
+    for action in ("keep", "recompute", "offload", "compress"):
+        if action in plan.decisions.values() or action in ("keep", "recompute"):
+            lines.append(f"    {_quote('legend: ' + action)} [label={_quote(action)}, fillcolor={_quote(COLORS[action])}];")
     lines.append("  }")
     lines.append("}")
     return "\n".join(lines)
+
+
+def render_svg(dot_source: str) -> str:
+    """SVG text of a DOT graph, through the Graphviz ``dot`` program."""
+    dot = shutil.which("dot")
+    if dot is None:
+        raise RuntimeError(GRAPHVIZ_MISSING)
+    done = subprocess.run([dot, "-Tsvg"], input=dot_source.encode(), capture_output=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"Graphviz failed: {done.stderr.decode(errors='replace').strip()}")
+    return done.stdout.decode()
+
+
+def _unit(nbytes: float) -> tuple[float, str]:
+    return (2**30, "GiB") if nbytes >= 2**30 else (2**20, "MiB") if nbytes >= 2**20 else (2**10, "KiB")
+
+
+def plot_memory(plan: "Plan", path: str | None = None, ax=None):
+    """Memory over the step (forward, then backward), stacked by kind, with budget, peak and the
+    unoptimized step for comparison. Returns the Axes; saves a PNG to ``path`` when given."""
+    try:
+        import matplotlib
+        if ax is None:
+            matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("plot_memory needs matplotlib: pip install 'autorecompute[plot]'") from exc
+    t = plan.timeline
+    if not t:
+        raise ValueError("this plan has no timeline (made by an older autorecompute): plan again")
+    scale, unit = _unit(max(max(t["baseline"]), plan.budget))
+    xs = list(range(len(t["fixed"])))
+    resident = [v / scale for v in t["resident"]]
+    other = [max(0, f - r) / scale for f, r in zip(t["fixed"], t["resident"])]
+    held = [v / scale for v in t["held"]]
+    recomputed = [v / scale for v in t["recomputed"]]
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 4.8), dpi=120)
+    ax.stackplot(xs, resident, other, held, recomputed, colors=["#cccccc", "#9fc5e8", COLORS["keep"],
+                                                                    COLORS["recompute"]],
+                 labels=["parameters, buffers, inputs", "gradients, temporaries, live activations",
+                         "activations held for backward", "recomputed in backward"], alpha=0.9)
+    ax.plot(xs, [v / scale for v in t["baseline"]], color="black", lw=1, ls="--", label="unoptimized step")
+    ax.axhline(plan.budget / scale, color="#cc0000", lw=1.5, label=f"budget {format_bytes(plan.budget)}")
+    ax.axhline(plan.predicted_peak / scale, color="#cc0000", lw=0.8, ls=":",
+               label=f"predicted peak {format_bytes(plan.predicted_peak)} (verified)")
+    total = [a + b + c + d for a, b, c, d in zip(resident, other, held, recomputed)]
+    peak_at = max(xs, key=total.__getitem__)
+    ax.plot([peak_at], [total[peak_at]], marker="v", color="#cc0000", ms=8)
+    ax.axvline(plan.num_forward - 0.5, color="gray", lw=0.8)
+    where = ax.get_xaxis_transform()     # x in data, y in axes fraction
+    ax.text(plan.num_forward * 0.5, 0.02, "forward", ha="center", va="bottom", color="dimgray", transform=where)
+    ax.text(plan.num_forward + (len(xs) - plan.num_forward) * 0.5, 0.02, "backward", ha="center", va="bottom",
+            color="dimgray", transform=where)
+    ax.set_xlim(0, len(xs) - 1)
+    ax.set_xlabel("step position (forward ops, then backward events)")
+    ax.set_ylabel(f"memory ({unit})")
+    ax.set_title(f"{plan.model_name or 'model'}: budget {format_bytes(plan.budget)}, "
+                 f"{plan.count('recompute')} of {len(plan.decisions)} ops recomputed, "
+                 f"+{100 * plan.extra_flops_ratio:.0f}% FLOPs")
+    ax.legend(loc="upper right", fontsize=7, framealpha=0.9)
+    if path:
+        ax.figure.tight_layout()
+        ax.figure.savefig(path)
+        plt.close(ax.figure)
+    return ax
+
+
+def plan_to_html(plan: "Plan") -> str:
+    """One self-contained page: summary, table, graph (SVG if Graphviz is installed), timeline (PNG if
+    matplotlib is installed)."""
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>autorecompute plan: "
+             f"{html.escape(plan.model_name)}</title><style>body{{font-family:sans-serif;margin:2em}}"
+             f"table{{border-collapse:collapse;font-size:12px}}td,th{{border:1px solid #ddd;padding:2px 6px}}"
+             f"</style></head><body>", f"<h1>autorecompute plan: {html.escape(plan.model_name)}</h1>",
+             f"<pre>{html.escape(plan.summary())}</pre>"]
+    try:
+        buffer = io.BytesIO()
+        ax = plot_memory(plan)
+        ax.figure.tight_layout()
+        ax.figure.savefig(buffer, format="png")
+        import matplotlib.pyplot as plt
+        plt.close(ax.figure)
+        parts.append("<h2>Memory over the step</h2><img alt='timeline' src='data:image/png;base64,"
+                     + base64.b64encode(buffer.getvalue()).decode() + "'>")
+    except ImportError as exc:
+        parts.append(f"<p>(timeline: {html.escape(str(exc))})</p>")
+    parts.append("<h2>Decisions</h2><table><tr><th>tensor</th><th>module</th><th>shape</th><th>dtype</th>"
+                 "<th>bytes</th><th>action</th><th>why</th></tr>")
+    for row in plan.table():
+        parts.append(f"<tr style='background:{COLORS[row['action']]}'><td>{html.escape(row['name'])}</td>"
+                     f"<td>{html.escape(row['module'])}</td><td>{'x'.join(map(str, row['shape']))}</td>"
+                     f"<td>{row['dtype']}</td><td>{format_bytes(row['bytes'])}</td><td>{row['action']}</td>"
+                     f"<td>{html.escape(row['why'])}</td></tr>")
+    parts.append("</table><h2>Graph</h2>")
+    try:
+        parts.append(render_svg(plan.to_dot()))
+    except RuntimeError as exc:
+        parts.append(f"<p>{html.escape(str(exc))}</p><pre>{html.escape(plan.to_dot())}</pre>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def save_plan(plan: "Plan", path: str) -> str:
+    """Writes ``plan`` in the format its suffix names (.dot, .svg, .json, .html, .png)."""
+    suffix = Path(path).suffix.lower()
+    writers = {".dot": plan.to_dot, ".json": plan.to_json, ".svg": lambda: render_svg(plan.to_dot()),
+               ".html": lambda: plan_to_html(plan)}
+    if suffix == ".png":
+        plot_memory(plan, path)
+        return path
+    if suffix not in writers:
+        raise ValueError(f"cannot save a plan as {suffix!r}: use .dot, .svg, .json, .html or .png")
+    Path(path).write_text(writers[suffix]())
+    return path

@@ -5,7 +5,9 @@ Integers only: bytes are divided by a unit (rounded so that the model never unde
 """
 from __future__ import annotations
 
+import logging
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Mapping
@@ -13,6 +15,8 @@ from typing import Mapping
 from ortools.sat.python import cp_model
 
 from autorecompute.problem import Problem
+
+log = logging.getLogger("autorecompute")
 
 _STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible",
            cp_model.MODEL_INVALID: "invalid", cp_model.UNKNOWN: "unknown"}
@@ -38,6 +42,27 @@ class SolverResult:
     bound: float
     gap: float
     wall_time: float
+
+
+class _Progress(cp_model.CpSolverSolutionCallback):
+    """One status line on stderr, rewritten on each new solution, once the solve has run a second."""
+
+    def __init__(self, objective: str, started: float):
+        super().__init__()
+        self.objective, self.started, self.shown = objective, started, False
+
+    def on_solution_callback(self) -> None:
+        elapsed = time.perf_counter() - self.started
+        if elapsed < 1.0:
+            return
+        sys.stderr.write(f"\r[autorecompute] cp-sat minimizing {self.objective}: best {self.objective_value:.4g}, "
+                         f"bound {self.best_objective_bound:.4g}, {elapsed:.1f} s ")
+        sys.stderr.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
 
 
 def _complete_hint(model: cp_model.CpModel, r: dict, hint: Mapping[str, bool], seconds: float, seed: int) -> None:
@@ -66,7 +91,8 @@ def byte_unit(problem: Problem) -> int:
 
 
 def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost", time_limit: float = 5.0,
-          seed: int = 0, hint: Mapping[str, bool] | None = None, workers: int = 2) -> SolverResult:
+          seed: int = 0, hint: Mapping[str, bool] | None = None, workers: int = 2,
+          progress: bool = False) -> SolverResult:
     """Solves ``problem``.
 
     Args:
@@ -77,6 +103,7 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
         seed: random seed (same problem and seed → same plan).
         hint: a starting solution (op → bool).
         workers: search workers, interleaved so the search is deterministic.
+        progress: show the best objective, bound and elapsed time on stderr once the solve passes 1 s.
     """
     unit = byte_unit(problem)
     index = problem.index()
@@ -226,8 +253,13 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = workers
     solver.parameters.interleave_search = True
-    status = solver.solve(model)
+    reporter = _Progress(minimize, started) if progress else None
+    status = solver.solve(model, reporter) if reporter else solver.solve(model)
+    if reporter:
+        reporter.close()
     wall = time.perf_counter() - started
+    log.debug("cp-sat (%s) %s in %.2f s\n%s", minimize, _STATUS.get(status, "unknown"), wall,
+              solver.response_stats())
     name = _STATUS.get(status, "unknown")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return SolverResult(None, name, math.inf, 0.0, math.inf, wall)

@@ -1,0 +1,87 @@
+"""Reading a plan: every dump format for three models, JSON round trip, the timeline picture."""
+import json
+import shutil
+
+import pytest
+
+import autorecompute
+import models
+from autorecompute.plan import Plan
+from autorecompute.report import GRAPHVIZ_MISSING
+from conftest import SOLVER_TIME
+
+MODELS = ("gpt", "resnet", "bert")
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def plan(request):
+    case = models.make(request.param)
+    return autorecompute.plan(case.model, *case.args, budget=0.6, solver_time_limit=SOLVER_TIME, **case.kwargs)
+
+
+def test_json_round_trips_to_an_equal_plan(plan, tmp_path):
+    path = plan.save(str(tmp_path / "plan.json"))
+    text = open(path).read()
+    assert json.loads(text)["schema_version"] == 1
+    assert Plan.from_json(text) == plan
+
+
+def test_dot_has_clusters_colors_edges_and_legend(plan, tmp_path):
+    dot = open(plan.save(str(tmp_path / "plan.dot"))).read()
+    assert dot.startswith("digraph plan {")
+    assert "subgraph cluster_0" in dot and "cluster_legend" in dot
+    assert "#f6b26b" in dot and "#b6d7a8" in dot           # recompute and keep fills
+    assert dot.count("->") == len(plan.edges) > 0
+    assert " KiB" in dot or " MiB" in dot                   # sizes on nodes and edges
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz 'dot' not installed")
+def test_svg_renders_through_graphviz(plan, tmp_path):
+    svg = open(plan.save(str(tmp_path / "plan.svg"))).read()
+    assert "<svg" in svg and "recompute" in svg
+
+
+def test_svg_without_graphviz_says_how_to_install(plan, tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="apt-get install graphviz"):
+        plan.save(str(tmp_path / "plan.svg"))
+    assert "Graphviz" in GRAPHVIZ_MISSING
+
+
+def test_html_is_one_self_contained_page(plan, tmp_path):
+    page = open(plan.save(str(tmp_path / "plan.html"))).read()
+    assert page.startswith("<!doctype html>") and page.rstrip().endswith("</html>")
+    assert "data:image/png;base64," in page                 # the timeline, inline
+    assert "<table>" in page and plan.model_name in page
+    assert "src='http" not in page and 'src="http' not in page
+
+
+def test_timeline_png_and_its_peak_line(plan, tmp_path):
+    import matplotlib.image
+
+    ax = plan.plot_memory()
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert any(label.startswith("budget") for label in labels)
+    peak_lines = [line for line in ax.get_lines() if "predicted peak" in str(line.get_label())]
+    scale = {"MiB": 2**20, "GiB": 2**30, "KiB": 2**10}[ax.get_ylabel().split("(")[1].rstrip(")")]
+    assert peak_lines and peak_lines[0].get_ydata()[0] * scale == pytest.approx(plan.predicted_peak)
+    assert plan.model_name in ax.get_title()
+    path = plan.save(str(tmp_path / "timeline.png"))
+    assert matplotlib.image.imread(path).shape[0] > 300
+
+
+def test_printed_plan_has_summary_and_a_folded_table(plan):
+    text = str(plan)
+    for word in ("budget", "predicted peak", "baseline peak", "minimum peak", "solver", "gap", "why"):
+        assert word in text
+    assert len(text.splitlines()) < 400
+    rows = plan.table()
+    assert len(rows) == len(plan.decisions)
+    assert {"name", "module", "shape", "dtype", "bytes", "action", "why"} <= set(rows[0])
+    by_action = plan.bytes_by_action()
+    assert set(by_action) <= {"keep", "recompute"}
+
+
+def test_saving_an_unknown_format_is_an_error(plan, tmp_path):
+    with pytest.raises(ValueError, match=r"\.dot, \.svg, \.json, \.html or \.png"):
+        plan.save(str(tmp_path / "plan.pdf"))
