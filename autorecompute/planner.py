@@ -131,8 +131,8 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
         for _ in range(MAX_TIGHTENINGS):
             if internal < minimum_model_peak:
                 break   # tighter than the model's own minimum: the minimum-peak plan is the answer
-            start = greedy.cheapest_under(problem, internal) or minimum_recompute
-            hint = greedy.descend(problem, internal, start)
+            hint = greedy.best_under(problem, internal, seconds=options.solver_time_limit / 4) \
+                or greedy.descend(problem, internal, minimum_recompute)
             result = cpsat.solve(problem, budget=internal, minimize="cost", time_limit=options.solver_time_limit,
                                  seed=options.seed, hint=hint, progress=progress)
             solve_time += result.wall_time

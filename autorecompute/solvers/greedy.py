@@ -6,6 +6,8 @@ CP-SAT hint, and as the fallback when the solver finds nothing in time.
 """
 from __future__ import annotations
 
+import time
+
 from autorecompute.memory_model import extra_cost, predicted_peak
 from autorecompute.problem import Problem
 
@@ -62,3 +64,19 @@ def descend(problem: Problem, budget: int, start: dict[str, bool], max_tries: in
         if predicted_peak(problem, current) > budget:
             current[op] = True
     return current
+
+
+def best_under(problem: Problem, budget: int, seconds: float, starts: int = 6) -> dict[str, bool] | None:
+    """Multi-start local search: :func:`descend` from the cheapest fitting segment plans, as many as
+    ``seconds`` allow (at least one), and the cheapest result. None when no segment plan fits."""
+    fitting = sorted((r for r in candidates(problem) if predicted_peak(problem, r) <= budget),
+                     key=lambda r: extra_cost(problem, r))
+    deadline = time.perf_counter() + seconds
+    best = None
+    for start in fitting[:starts]:
+        plan = descend(problem, budget, start)
+        if best is None or extra_cost(problem, plan) < extra_cost(problem, best):
+            best = plan
+        if time.perf_counter() > deadline:
+            break
+    return best
