@@ -51,28 +51,22 @@ class Timeline:
         return [f + h + r for f, h, r in zip(self.fixed, self.held, self.recomputed)]
 
 
-def memory_components(problem: Problem, recompute: Mapping[str, bool]) -> Timeline:
-    """The predicted memory of every position for the decisions ``recompute`` (op → bool), by component."""
+def _pieces(problem: Problem, recompute: Mapping[str, bool]):
+    """Yields ``(activation, start, end, kind)`` for every interval an activation occupies beyond its
+    forward life: kind "held" (autograd or a region keeps it) or "recomputed" (chain indices of the ops
+    at whose backward it is rematerialized)."""
     index = problem.index()
     first_saver = _first_savers(problem, index)
     region = region_ids(problem, recompute)
-    delta = [0] * (problem.num_positions + 1)
-    remat_delta = [0] * (len(problem.chain) + 1)
-
-    def add(start: int, end: int, nbytes: int) -> None:
-        if end >= start:
-            delta[start] += nbytes
-            delta[end + 1] -= nbytes
-
     for act in problem.activations:
         owner_region = region[index[act.owner]] if act.owner in index else -1
         as_input = any(region[index[c]] >= 0 and region[index[c]] != owner_region for c in act.readers
                        if c in index)
         by_saver = any(region[index[s]] < 0 if s in index else True for s in act.savers)
-        if act.savers and (by_saver or as_input):
-            add(act.hold_start, act.save_end, act.nbytes)
-        if as_input:
-            add(max(act.hold_start, act.save_end + 1), act.read_end, act.nbytes)
+        if act.savers and (by_saver or as_input) and act.save_end >= act.hold_start:
+            yield act, act.hold_start, act.save_end, "held"
+        if as_input and act.read_end >= max(act.hold_start, act.save_end + 1):
+            yield act, max(act.hold_start, act.save_end + 1), act.read_end, "held"
         first = first_saver.get(act.name)
         if owner_region >= 0 and first is not None and index[first] >= index[act.owner]:
             # alive at the backward of every op from the earliest saver to the end of the owner's region
@@ -80,8 +74,24 @@ def memory_components(problem: Problem, recompute: Mapping[str, bool]) -> Timeli
             while end + 1 < len(region) and region[end + 1] == owner_region:
                 end += 1
             if index[first] <= end:
-                remat_delta[index[first]] += act.nbytes
-                remat_delta[end + 1] -= act.nbytes
+                yield act, index[first], end, "recomputed"
+
+
+def held_at(problem: Problem, recompute: Mapping[str, bool], position: int) -> set[str]:
+    """Owners of the activations held (not recomputed) at ``position``: what the peak is made of."""
+    return {act.owner for act, start, end, kind in _pieces(problem, recompute)
+            if kind == "held" and start <= position <= end}
+
+
+def memory_components(problem: Problem, recompute: Mapping[str, bool]) -> Timeline:
+    """The predicted memory of every position for the decisions ``recompute`` (op → bool), by component."""
+    index = problem.index()
+    delta = [0] * (problem.num_positions + 1)
+    remat_delta = [0] * (len(problem.chain) + 1)
+    for act, start, end, kind in _pieces(problem, recompute):
+        target = delta if kind == "held" else remat_delta
+        target[start] += act.nbytes
+        target[end + 1] -= act.nbytes
 
     remat, running = [], 0
     for i in range(len(problem.chain)):

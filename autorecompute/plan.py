@@ -54,6 +54,7 @@ class Plan:
             plan — ``resident``, ``fixed`` (everything no decision changes), ``held`` (activations kept
             for backward), ``recomputed`` — and ``baseline`` (the total with nothing recomputed).
         num_forward: number of forward positions in ``timeline`` (the rest are backward events).
+        at_peak: kept ops whose activations are held at the plan's peak: what the peak is made of.
     """
 
     budget: int
@@ -76,6 +77,7 @@ class Plan:
     edges: tuple[tuple[str, str, int], ...] = ()
     timeline: dict[str, list[int]] = field(default_factory=dict)
     num_forward: int = 0
+    at_peak: tuple[str, ...] = ()
 
     # ---- queries -------------------------------------------------------------------------------------
     def count(self, action: str) -> int:
@@ -95,7 +97,7 @@ class Plan:
             node = self.nodes.get(name) or NodeRecord((), "", 0, 0, 0, "")
             rows.append({"name": name, "action": action, "module": node.module, "shape": tuple(node.shape),
                          "dtype": node.dtype, "bytes": node.nbytes, "held_bytes": node.held_bytes,
-                         "flops": node.flops, "why": _why(action, node)})
+                         "flops": node.flops, "why": _why(action, node, name in self.at_peak)})
         return rows
 
     def bytes_by_action(self) -> dict[str, int]:
@@ -127,6 +129,7 @@ class Plan:
         data["actions"] = tuple(data.get("actions", ()))
         data["nodes"] = {k: NodeRecord(**{**v, "shape": tuple(v["shape"])}) for k, v in data["nodes"].items()}
         data["edges"] = tuple(tuple(e) for e in data.get("edges", ()))
+        data["at_peak"] = tuple(data.get("at_peak", ()))
         return cls(**data)
 
     # ---- reading ---------------------------------------------------------------------------------------
@@ -175,11 +178,15 @@ class Plan:
         return plot_memory(self, path, ax)
 
 
-def _why(action: str, node: NodeRecord) -> str:
+def _why(action: str, node: NodeRecord, held_at_peak: bool) -> str:
     if action == "recompute":
+        if node.held_bytes == 0:
+            return "holds nothing itself: recomputed to rebuild a later op's input"
         if node.flops == 0:
             return f"frees {format_bytes(node.held_bytes)}, no FLOPs (memory-bound op)"
         return f"frees {format_bytes(node.held_bytes)}, {node.held_bytes / node.flops:.3g} B per extra FLOP"
     if node.held_bytes == 0:
         return "nothing held for backward"
-    return f"kept: {format_bytes(node.held_bytes)} fit the budget"
+    if held_at_peak:
+        return f"needed at peak: {format_bytes(node.held_bytes)} held, cheaper to keep than to recompute"
+    return f"kept: {format_bytes(node.held_bytes)} not held at the peak"

@@ -16,7 +16,8 @@ import torch.fx
 
 from autorecompute.budget import parse_budget, resolve_budget
 from autorecompute.errors import InfeasibleBudgetError
-from autorecompute.memory_model import extra_cost, extra_flops, memory_components, memory_timeline, predicted_peak
+from autorecompute.memory_model import (extra_cost, extra_flops, held_at, memory_components, memory_timeline,
+                                         predicted_peak)
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import node_info, step_profile, profile_step
@@ -164,9 +165,16 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
         plan_time=time.perf_counter() - started, actions=options.actions, resident=dict(profile.resident),
         nodes=_node_records(gm, problem), model_name=type(model).__name__, signature=signature,
         edges=_edges(gm, problem), timeline=_timeline(problem, chosen, profile.resident_bytes),
-        num_forward=problem.num_forward)
+        num_forward=problem.num_forward, at_peak=_at_peak(problem, chosen))
     log.debug("plan: %s", plan.summary())
     return Planned(plan=plan, module=module)
+
+
+def _at_peak(problem: Problem, recompute: dict[str, bool]) -> tuple[str, ...]:
+    total = memory_timeline(problem, recompute)
+    position = max(range(len(total)), key=total.__getitem__)
+    held = held_at(problem, recompute, position)
+    return tuple(op for op in problem.chain if op in held and not recompute.get(op))
 
 
 def _timeline(problem: Problem, recompute: dict[str, bool], resident: int) -> dict[str, list[int]]:

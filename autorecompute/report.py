@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from autorecompute.plan import Plan
 
 COLORS = {"keep": "#b6d7a8", "recompute": "#f6b26b", "offload": "#9fc5e8", "compress": "#d5a6bd"}
-MAX_GROUPS = 40
+MAX_GROUPS = 24
 GRAPHVIZ_MISSING = ("rendering SVG needs the Graphviz 'dot' program, which is not on PATH. Install it "
                     "(Debian/Ubuntu: apt-get install graphviz; macOS: brew install graphviz; conda: conda install "
                     "graphviz), or save as .dot and render it elsewhere")
@@ -26,18 +26,21 @@ def _group_key(module: str, depth: int) -> str:
     return ".".join(module.split(".")[:depth]) if module else "<root>"
 
 
-def group_depth(modules: list[str], max_groups: int = MAX_GROUPS) -> int:
-    """Deepest module-path depth at which the rows fall into at most ``max_groups`` groups."""
+def group_depth(modules: list[str], max_groups: int = MAX_GROUPS, min_group_size: int = 4) -> int:
+    """Module-path depth for grouping rows: deeper while that keeps at most ``max_groups`` groups of, on
+    average, at least ``min_group_size`` rows (so a table is neither one blob nor one row per group)."""
     depth = 1
-    while depth < 12 and len({_group_key(m, depth + 1) for m in modules}) <= max_groups:
-        if {_group_key(m, depth + 1) for m in modules} == {_group_key(m, depth) for m in modules}:
+    while depth < 12:
+        deeper = {_group_key(m, depth + 1) for m in modules}
+        if len(deeper) > max_groups or len(modules) < min_group_size * len(deeper) \
+                or deeper == {_group_key(m, depth) for m in modules}:
             break
         depth += 1
     return depth
 
 
 def format_table(plan: "Plan", max_rows_per_group: int = 6) -> str:
-    """Rows grouped by module path (folded to at most 40 groups), largest tensors first within a group."""
+    """Rows grouped by module path (folded to at most MAX_GROUPS groups), largest tensors first within a group."""
     rows = plan.table()
     depth = group_depth([r["module"] for r in rows])
     groups: dict[str, list[dict]] = defaultdict(list)

@@ -177,13 +177,39 @@ def mlp() -> Case:
     return Case("mlp", MLP(), (torch.randn(1024, 128),))
 
 
+class VGG(nn.Module):
+    """A VGG-style stack of 3x3 convolutions with BatchNorm and max-pooling (Checkmate's VGG19 shape)."""
+
+    def __init__(self, widths=(16, 16, "M", 32, 32, "M", 64, 64, 64, "M", 128, 128, 128, "M"), classes: int = 10):
+        super().__init__()
+        layers, cin = [], 3
+        for w in widths:
+            if w == "M":
+                layers.append(nn.MaxPool2d(2))
+            else:
+                layers += [nn.Conv2d(cin, w, 3, padding=1), nn.BatchNorm2d(w), nn.ReLU(inplace=True)]
+                cin = w
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(cin * 4, classes)
+
+    def forward(self, x):
+        return self.head(torch.flatten(self.features(x), 1))
+
+
+def vgg() -> Case:
+    return Case("vgg", VGG(), (torch.randn(8, 3, 32, 32),))
+
+
 ZOO: dict[str, Callable[[], Case]] = {
     "gpt2": gpt2, "bert": bert, "llama": llama, "t5": t5, "vit": vit,
     "transformer_encoder": transformer_encoder, "resnet": resnet, "unet": unet, "gpt": gpt, "mlp": mlp,
 }
 
 
+ALL: dict[str, Callable[[], Case]] = {**ZOO, "vgg": vgg}   # the benchmarks add a VGG-style net
+
+
 def make(name: str, seed: int = 0) -> Case:
-    """Builds zoo model ``name`` with ``torch.manual_seed(seed)`` (same seed → same weights and inputs)."""
+    """Builds model ``name`` with ``torch.manual_seed(seed)`` (same seed → same weights and inputs)."""
     torch.manual_seed(seed)
-    return ZOO[name]()
+    return ALL[name]()

@@ -1,0 +1,51 @@
+"""Baseline plans expressed in autorecompute's own terms, so any captured model can be compared.
+
+``sqrt_n_plan``: Chen et al.'s √N checkpointing generalized to graphs — the chain is cut only at
+articulation points of the data-flow graph (ops every path goes through, so a segment boundary holds one
+tensor), round(√N) segments of about equal held bytes, one checkpoint kept per segment, everything else
+recomputed.
+"""
+from __future__ import annotations
+
+import math
+
+import networkx as nx
+
+from autorecompute.problem import Problem
+
+
+def articulation_ops(problem: Problem) -> list[str]:
+    """Chain ops that are articulation points of the (undirected) data-flow graph, in chain order."""
+    graph = nx.Graph()
+    graph.add_nodes_from(problem.chain)
+    for act in problem.activations:
+        for reader in act.readers:
+            if act.owner != reader:
+                graph.add_edge(act.owner, reader)
+        for saver in act.savers:
+            if act.owner != saver:
+                graph.add_edge(act.owner, saver)
+    cut = set(nx.articulation_points(graph))
+    return [op for op in problem.chain if op in cut and op in problem.recomputable]
+
+
+def sqrt_n_plan(problem: Problem, segments: int | None = None) -> dict[str, bool]:
+    """Recompute everything except round(√N) checkpoints at articulation points (N = their number)."""
+    boundaries = articulation_ops(problem)
+    if not boundaries:
+        return {op: False for op in problem.recomputable}
+    segments = segments or max(1, round(math.sqrt(len(boundaries))))
+    held: dict[str, int] = {}
+    for act in problem.activations:
+        if act.savers:
+            held[act.owner] = held.get(act.owner, 0) + act.nbytes
+    total = sum(held.values()) or 1
+    keep, running, step = set(), 0, total / (segments + 1)
+    boundary_set = set(boundaries)
+    target = step
+    for op in problem.chain:
+        running += held.get(op, 0)
+        if op in boundary_set and running >= target:
+            keep.add(op)
+            target += step
+    return {op: op not in keep for op in problem.recomputable}

@@ -1,0 +1,274 @@
+"""Benchmark suite: autorecompute against √N checkpointing, per-block checkpointing and eager.
+
+    python benchmarks/suite.py            # full suite (≈ 20-30 min on 2 cores)
+    python benchmarks/suite.py --quick    # 3 models, fewer points (≈ 5 min)
+
+Writes benchmarks/results/results.{json,csv}, docs/benchmarks.md and docs/benchmarks/pareto_<model>.png.
+Memory is the live tensor-storage tracker's peak through forward and backward (plus resident state);
+extra compute is FlopCounterMode's count against eager; wall time is the median ratio of interleaved runs.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import autorecompute  # noqa: E402
+import models  # noqa: E402
+from autorecompute.baselines import SqrtNCheckpointed  # noqa: E402
+from autorecompute.budget import format_bytes  # noqa: E402
+from autorecompute.passes.build_problem import build_problem  # noqa: E402
+from autorecompute.passes.capture import capture  # noqa: E402
+from autorecompute.passes.profile import profile_step  # noqa: E402
+from autorecompute.passes.rewrite_recompute import rewrite_recompute  # noqa: E402
+from autorecompute.passes.verify import fake_step_memory  # noqa: E402
+from autorecompute.planner import _decisions, clone_graph_module  # noqa: E402
+from autorecompute.runtime.memory import run_step  # noqa: E402
+from autorecompute.solvers.baselines import sqrt_n_plan  # noqa: E402
+from harness import measured_step  # noqa: E402
+
+SEQUENTIAL_BLOCKS = {"gpt": "blocks", "mlp": "layers", "resnet": "layers", "vgg": "features"}
+HF = {"gpt2", "bert", "llama"}
+FULL = ["gpt", "gpt2", "bert", "llama", "resnet", "unet", "mlp", "vgg"]
+QUICK = ["gpt", "mlp", "vgg"]
+MAX_BATCH_MODELS = {"gpt", "vgg", "mlp"}
+
+
+def step_flops(module, case) -> int:
+    with FlopCounterMode(display=False) as counter:
+        run_step(module, case.args, case.kwargs)
+    return counter.get_total_flops()
+
+
+def wall_ratio(reference, module, case, reps: int) -> float:
+    """Median of (module time / reference time) over interleaved runs: robust to the machine's drift."""
+    ratios = []
+    for _ in range(reps):
+        times = []
+        for m in (reference, module):
+            started = time.perf_counter()
+            run_step(m, case.args, case.kwargs)
+            times.append(time.perf_counter() - started)
+        ratios.append(times[1] / times[0])
+    return statistics.median(ratios)
+
+
+def grad_diff(a, b) -> float:
+    return max((float((a.grads[k] - b.grads[k]).abs().max()) for k in a.grads), default=0.0)
+
+
+def scaled(case, k: int):
+    """The case with every tensor input repeated k times along the batch dimension."""
+    def rep(t):
+        return t.repeat(k, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor) else t
+    return models.Case(case.name, case.model, tuple(rep(a) for a in case.args),
+                       {n: rep(v) for n, v in case.kwargs.items()})
+
+
+def sqrt_n_module(case):
+    gm = capture(case.model, case.args, case.kwargs)
+    profile_step(gm, case.args, case.kwargs)
+    problem = build_problem(gm)
+    return rewrite_recompute(clone_graph_module(gm), _decisions(problem, sqrt_n_plan(problem)))
+
+
+def minimum_peak(case, limit: float) -> int:
+    try:
+        autorecompute.plan(case.model, *case.args, budget=1, solver_time_limit=limit, **case.kwargs)
+    except autorecompute.InfeasibleBudgetError as error:
+        return error.minimum
+    raise AssertionError("a 1-byte budget cannot fit")
+
+
+def max_batch(case, budget: int, limit: float) -> dict:
+    """Largest batch multiple k for which each method's fake-measured peak fits ``budget``."""
+    def eager_peak(k):
+        c = scaled(case, k)
+        return autorecompute.plan(c.model, *c.args, budget=1.0, solver_time_limit=limit, **c.kwargs).baseline_peak
+
+    def sqrt_peak(k):
+        c = scaled(case, k)
+        return fake_step_memory(sqrt_n_module(c), c.args, c.kwargs).peak
+
+    def ours_peak(k):
+        return minimum_peak(scaled(case, k), limit)
+
+    found = {}
+    for name, peak_of in (("eager", eager_peak), ("sqrt_n", sqrt_peak), ("autorecompute", ours_peak)):
+        low, high = 0, 1
+        while peak_of(high) <= budget and high < 64:
+            low, high = high, high * 2
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if peak_of(mid) <= budget else (low, mid)
+        found[name] = low
+    # verify the autorecompute answer with one real step
+    k = found["autorecompute"]
+    if k:
+        c = scaled(case, k)
+        compiled = autorecompute.compile(c.model, budget=budget, solver_time_limit=limit)
+        found["verified_peak"] = measured_step(compiled, c.model, c.args, c.kwargs).peak
+    found["budget"] = budget
+    return found
+
+
+def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]:
+    case = models.make(name)
+    model = case.model
+    initial = copy.deepcopy(model.state_dict())
+    rows: list[dict] = []
+    reps = 3 if quick else 7
+
+    def reset():
+        model.load_state_dict(initial)
+        for p in model.parameters():
+            p.grad = None
+
+    eager = measured_step(model, model, case.args, case.kwargs, seed=1)
+    eager_flops = step_flops(model, case)
+
+    def record(method, module, budget=None, plan_time=0.0, status=""):
+        reset()
+        result = measured_step(module, model, case.args, case.kwargs, seed=1)
+        extra = step_flops(module, case) - eager_flops
+        row = {"model": name, "method": method, "budget": budget, "peak": result.peak,
+               "peak_ratio": result.peak / eager.peak, "extra_flops": extra, "extra_flops_ratio": extra / eager_flops,
+               "wall_ratio": wall_ratio(model, module, case, reps), "plan_time": plan_time,
+               "grad_max_abs_diff": grad_diff(eager, result), "fits": budget is None or result.peak <= budget,
+               "status": status}
+        rows.append(row)
+        print(f"  {method:<28} peak {format_bytes(row['peak']):>11} ({row['peak_ratio']:.2f}x)  "
+              f"+FLOPs {100 * row['extra_flops_ratio']:5.1f}%  wall {row['wall_ratio']:.2f}x  "
+              f"grad diff {row['grad_max_abs_diff']:.1e} {status}", flush=True)
+        return row
+
+    print(f"{name}: eager peak {format_bytes(eager.peak)}", flush=True)
+    rows.append({"model": name, "method": "eager", "budget": None, "peak": eager.peak, "peak_ratio": 1.0,
+                 "extra_flops": 0, "extra_flops_ratio": 0.0, "wall_ratio": 1.0, "plan_time": 0.0,
+                 "grad_max_abs_diff": 0.0, "fits": True, "status": ""})
+    reference_sqrt = []
+    if name in SEQUENTIAL_BLOCKS:
+        blocks = SEQUENTIAL_BLOCKS[name]
+        wrapper = SqrtNCheckpointed(model, blocks)
+        reference_sqrt.append(record(f"sqrt_n checkpoint_sequential", wrapper))
+        per_block = SqrtNCheckpointed(model, blocks)
+        per_block.segments = len(per_block.blocks)
+        record("per-block checkpoint", per_block)
+    started = time.perf_counter()
+    graph_sqrt = sqrt_n_module(case)
+    reference_sqrt.append(record("sqrt_n articulation points", graph_sqrt, plan_time=time.perf_counter() - started))
+    if name in HF:
+        hf = copy.deepcopy(model)
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_rows_before = len(rows)
+        reset()
+        hf.load_state_dict(initial)
+        result = measured_step(hf, hf, case.args, case.kwargs, seed=1)
+        extra = step_flops(hf, case) - eager_flops
+        rows.append({"model": name, "method": "per-block (HF gradient_checkpointing)", "budget": None,
+                     "peak": result.peak, "peak_ratio": result.peak / eager.peak, "extra_flops": extra,
+                     "extra_flops_ratio": extra / eager_flops, "wall_ratio": wall_ratio(model, hf, case, reps),
+                     "plan_time": 0.0, "grad_max_abs_diff": grad_diff(eager, result), "fits": True, "status": ""})
+        print(f"  per-block (HF)               peak {format_bytes(result.peak):>11}", flush=True)
+        del hf, hf_rows_before
+
+    reset()
+    minimum = minimum_peak(case, limit)
+    baseline = eager.peak
+    points = 3 if quick else 5
+    budgets = [minimum + (baseline - minimum) * i // (points - 1) for i in range(points)]
+    sqrt_peak = min(r["peak"] for r in reference_sqrt)
+    for label, budget in [*[("autorecompute", b) for b in budgets], ("autorecompute @ sqrt_n peak", sqrt_peak)]:
+        reset()
+        started = time.perf_counter()
+        compiled = autorecompute.compile(model, budget=budget, solver_time_limit=limit)
+        try:
+            compiled.prepare(*case.args, **case.kwargs)
+        except autorecompute.InfeasibleBudgetError:
+            print(f"  {label}: budget {budget} infeasible (minimum {minimum})")
+            continue
+        record(label, compiled, budget=budget, plan_time=time.perf_counter() - started,
+               status=compiled.plan.solver_status)
+    summary = {"model": name, "eager_peak": eager.peak, "minimum_peak": minimum, "sqrt_n_peak": sqrt_peak}
+    if name in MAX_BATCH_MODELS and not quick or name == "gpt":
+        reset()
+        summary["max_batch"] = max_batch(case, eager.peak, limit)
+        print(f"  max batch multiple at {format_bytes(eager.peak)}: {summary['max_batch']}", flush=True)
+    return rows, summary
+
+
+def pareto_plot(name: str, rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+    ours = sorted((r for r in rows if r["method"] == "autorecompute"), key=lambda r: r["extra_flops_ratio"])
+    ax.plot([100 * r["extra_flops_ratio"] for r in ours], [r["peak"] / 2**20 for r in ours], "o-",
+            color="#e69138", label="autorecompute (budget sweep)")
+    for r in ours:
+        ax.plot([100 * r["extra_flops_ratio"]], [r["budget"] / 2**20], "_", color="#cc0000", ms=12)
+    markers = {"eager": ("s", "black"), "sqrt_n checkpoint_sequential": ("^", "#3d85c6"),
+               "sqrt_n articulation points": ("v", "#6fa8dc"), "per-block checkpoint": ("D", "#674ea7"),
+               "per-block (HF gradient_checkpointing)": ("D", "#674ea7"), "autorecompute @ sqrt_n peak": ("*", "#cc0000")}
+    for r in rows:
+        if r["method"] in markers:
+            marker, color = markers[r["method"]]
+            ax.plot([100 * r["extra_flops_ratio"]], [r["peak"] / 2**20], marker, color=color, ms=8, label=r["method"])
+    ax.set_xlabel("extra FLOPs over eager (%)")
+    ax.set_ylabel("measured peak (MiB)")
+    ax.set_title(f"{name}: measured peak vs recompute (red dashes: budgets)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--models", nargs="*")
+    parser.add_argument("--solver-time-limit", type=float, default=None)
+    args = parser.parse_args(argv)
+    names = args.models or (QUICK if args.quick else FULL)
+    limit = args.solver_time_limit or (2.0 if args.quick else 6.0)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    started = time.perf_counter()
+    all_rows, summaries = [], []
+    for name in names:
+        rows, summary = bench_model(name, args.quick, limit)
+        all_rows += rows
+        summaries.append(summary)
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"rows": all_rows, "models": summaries,
+                                                  "seconds": time.perf_counter() - started}, indent=1))
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(all_rows[0]))
+        writer.writeheader()
+        writer.writerows(all_rows)
+    plots = ROOT / "docs" / "benchmarks"
+    plots.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        pareto_plot(name, [r for r in all_rows if r["model"] == name], plots / f"pareto_{name}.png")
+    from report import write_markdown
+
+    write_markdown(all_rows, summaries, time.perf_counter() - started, args.quick, ROOT / "docs" / "benchmarks.md")
+    print(f"done in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
