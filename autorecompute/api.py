@@ -131,8 +131,9 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
             of forward to the end of backward: parameters, buffers, inputs, existing gradients, activations,
             temporaries and the gradients produced.
         actions: what the solver may use besides keeping a tensor; currently ``("recompute",)``.
-        solver_time_limit: seconds for the cost solve (the minimum-peak solve gets a quarter); the best
-            plan found by then is used.
+        solver_time_limit: about the seconds of the cost solve (the minimum-peak solve gets a quarter),
+            as deterministic CP-SAT work, so the plan does not depend on the machine's load; the best plan
+            found by then is used.
         seed: CP-SAT's seed: same model, inputs and seed give the same plan.
 
     Example:

@@ -128,6 +128,7 @@ def _first_savers(problem: Problem, index: Mapping[str, int]) -> dict[str, str |
         for act in problem.activations:
             in_chain = [s for s in act.savers if s in index]
             savers[act.name] = min(in_chain, key=index.__getitem__) if in_chain else None
+        _FIRST_SAVERS.clear()    # one problem at a time: do not keep old graphs alive
         cached = _FIRST_SAVERS[id(problem)] = (problem, savers)
     return cached[1]
 

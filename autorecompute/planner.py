@@ -31,6 +31,7 @@ log = logging.getLogger("autorecompute")
 
 SUPPORTED_ACTIONS = ("recompute",)
 MAX_TIGHTENINGS = 4
+NEAR_MINIMUM = 1.15   # budgets below this multiple of the heuristic minimum get a CP-SAT minimum-peak solve
 
 
 @dataclass(frozen=True)
@@ -102,10 +103,14 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     t = time.perf_counter()
     heuristic = greedy.lowest_peak(problem)
     progress = sys.stderr.isatty()    # a live status line for people, nothing in logs and pipes
-    lowest = cpsat.solve(problem, minimize="peak", time_limit=options.solver_time_limit / 4, seed=options.seed,
-                         hint=heuristic, progress=progress)
-    minimum_recompute = min([r for r in (lowest.recompute, heuristic) if r is not None],
-                            key=lambda r: (predicted_peak(problem, r), extra_cost(problem, r)))
+    lowest = cpsat.SolverResult(heuristic, "heuristic", predicted_peak(problem, heuristic), 0.0, 1.0, 0.0)
+    if budget_bytes < NEAR_MINIMUM * lowest.objective:
+        # the minimum matters only when the budget is close to it: then ask CP-SAT for a lower one
+        solved = cpsat.solve(problem, minimize="peak", time_limit=options.solver_time_limit / 4, seed=options.seed,
+                             hint=heuristic, progress=progress)
+        if solved.recompute is not None and solved.objective <= lowest.objective:
+            lowest = solved
+    minimum_recompute = lowest.recompute
     minimum_model_peak = predicted_peak(problem, minimum_recompute)
     verified_minimum: list[tuple[torch.fx.GraphModule, int]] = []
 
@@ -132,7 +137,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
         for _ in range(MAX_TIGHTENINGS):
             if internal < minimum_model_peak:
                 break   # tighter than the model's own minimum: the minimum-peak plan is the answer
-            hint = greedy.best_under(problem, internal, seconds=options.solver_time_limit / 4) \
+            hint = greedy.best_under(problem, internal) \
                 or greedy.descend(problem, internal, minimum_recompute)
             result = cpsat.solve(problem, budget=internal, minimize="cost", time_limit=options.solver_time_limit,
                                  seed=options.seed, hint=hint, progress=progress)

@@ -7,7 +7,7 @@ from autorecompute.budget import format_bytes
 
 
 def _sqrt_rows(rows, model):
-    return [r for r in rows if r["model"] == model and r["method"].startswith("sqrt_n")]
+    return [r for r in rows if r["model"] == model and r["method"].startswith("sqrt_n") and r["peak"] is not None]
 
 
 def goals(rows: list[dict], summaries: list[dict]) -> list[tuple[str, str, str]]:
@@ -58,7 +58,7 @@ def goals(rows: list[dict], summaries: list[dict]) -> list[tuple[str, str, str]]
             met &= at[0]["wall_ratio"] <= ref["wall_ratio"]
             lines.append(f"{m} {at[0]['wall_ratio']:.2f} vs {ref['wall_ratio']:.2f}")
     out.append(("5. wall-time ratio at √N's memory ≤ √N's", "met" if met else "not met", "; ".join(lines)))
-    ours = [r for r in rows if r["method"].startswith("autorecompute")]
+    ours = [r for r in rows if r["method"].startswith("autorecompute") and r["peak"] is not None]
     fits = all(r["fits"] for r in ours)
     exact = all(r["grad_max_abs_diff"] == 0.0 for r in ours)
     out.append(("6. every autorecompute point: peak ≤ budget, gradients equal", "met" if fits and exact else "not met",
@@ -84,6 +84,9 @@ def write_markdown(rows, summaries, seconds: float, quick: bool, path: Path) -> 
                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in (r for r in rows if r["model"] == m):
             budget = format_bytes(r["budget"]) if r["budget"] else ""
+            if r["peak"] is None:
+                text.append(f"| {r['method']} | {budget} | — | — | — | — | — | — | {r['status']} |")
+                continue
             text.append(f"| {r['method']} | {budget} | {format_bytes(r['peak'])} | {r['peak_ratio']:.2f} | "
                         f"{100 * r['extra_flops_ratio']:.1f}% | {r['wall_ratio']:.2f} | {r['plan_time']:.1f} | "
                         f"{r['grad_max_abs_diff']:.1e} | {r['status']} |")

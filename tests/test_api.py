@@ -90,3 +90,11 @@ def test_planning_does_not_move_the_rng_stream():
     compiled = autorecompute.compile(case.model, budget=0.5, solver_time_limit=SOLVER_TIME)
     compiled.prepare(*case.args)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_same_inputs_and_seed_give_the_same_plan():
+    case = models.make("unet")
+    plans = [autorecompute.plan(case.model, *case.args, budget=0.7, solver_time_limit=SOLVER_TIME, seed=3)
+             for _ in range(2)]
+    assert plans[0].decisions == plans[1].decisions
+    assert plans[0].predicted_peak == plans[1].predicted_peak

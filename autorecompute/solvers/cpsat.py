@@ -17,6 +17,7 @@ from ortools.sat.python import cp_model
 from autorecompute.problem import Problem
 
 log = logging.getLogger("autorecompute")
+DTIME_PER_SECOND = 0.12   # CP-SAT deterministic time per wall second, measured on the 2-core CI machine
 
 _STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible",
            cp_model.MODEL_INVALID: "invalid", cp_model.UNKNOWN: "unknown"}
@@ -73,7 +74,8 @@ def _complete_hint(model: cp_model.CpModel, r: dict, hint: Mapping[str, bool], s
         model.add_hint(var, bool(hint.get(op, False)))
     completion = cp_model.CpSolver()
     completion.parameters.fix_variables_to_their_hinted_value = True
-    completion.parameters.max_time_in_seconds = seconds
+    completion.parameters.max_deterministic_time = seconds * DTIME_PER_SECOND
+    completion.parameters.max_time_in_seconds = 4 * seconds + 30
     completion.parameters.num_workers = 1
     completion.parameters.random_seed = seed
     if completion.solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -247,9 +249,10 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
         _complete_hint(model, r, hint, max(0.5, min(1.0, time_limit / 2)), seed)
 
     solver = cp_model.CpSolver()
-    # The deterministic limit keeps plans reproducible; the wall-clock limit is a safety net.
-    solver.parameters.max_deterministic_time = time_limit
-    solver.parameters.max_time_in_seconds = time_limit
+    # The deterministic limit (CP-SAT work units; DTIME_PER_SECOND converts) ends the search,
+    # so a plan does not depend on the machine's load; the wall-clock limit is only a safety net.
+    solver.parameters.max_deterministic_time = time_limit * DTIME_PER_SECOND
+    solver.parameters.max_time_in_seconds = 4 * time_limit + 30
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = workers
     solver.parameters.interleave_search = True

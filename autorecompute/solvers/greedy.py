@@ -6,8 +6,6 @@ CP-SAT hint, and as the fallback when the solver finds nothing in time.
 """
 from __future__ import annotations
 
-import time
-
 from autorecompute.memory_model import extra_cost, predicted_peak
 from autorecompute.problem import Problem
 
@@ -40,15 +38,28 @@ def candidates(problem: Problem, max_segments: int = 64) -> list[dict[str, bool]
     return [keep_all] + [segment_plan(problem, k) for k in range(1, n + 1)]
 
 
+_SCORED: dict[int, tuple[Problem, list]] = {}
+
+
+def scored_candidates(problem: Problem) -> list[tuple[dict[str, bool], int, int]]:
+    """``(plan, predicted peak, cost)`` of every candidate, computed once per problem."""
+    cached = _SCORED.get(id(problem))
+    if cached is None or cached[0] is not problem:
+        scored = [(r, predicted_peak(problem, r), extra_cost(problem, r)) for r in candidates(problem)]
+        _SCORED.clear()          # one problem at a time: do not keep old graphs alive
+        cached = _SCORED[id(problem)] = (problem, scored)
+    return cached[1]
+
+
 def lowest_peak(problem: Problem) -> dict[str, bool]:
     """The candidate with the lowest predicted peak (then least cost)."""
-    return min(candidates(problem), key=lambda r: (predicted_peak(problem, r), extra_cost(problem, r)))
+    return min(scored_candidates(problem), key=lambda s: (s[1], s[2]))[0]
 
 
 def cheapest_under(problem: Problem, budget: int) -> dict[str, bool] | None:
     """The cheapest candidate whose predicted peak fits ``budget``, or None."""
-    fitting = [r for r in candidates(problem) if predicted_peak(problem, r) <= budget]
-    return min(fitting, key=lambda r: extra_cost(problem, r)) if fitting else None
+    fitting = [s for s in scored_candidates(problem) if s[1] <= budget]
+    return min(fitting, key=lambda s: s[2])[0] if fitting else None
 
 
 def descend(problem: Problem, budget: int, start: dict[str, bool], max_tries: int = 160) -> dict[str, bool]:
@@ -66,17 +77,16 @@ def descend(problem: Problem, budget: int, start: dict[str, bool], max_tries: in
     return current
 
 
-def best_under(problem: Problem, budget: int, seconds: float, starts: int = 6) -> dict[str, bool] | None:
-    """Multi-start local search: :func:`descend` from the cheapest fitting segment plans, as many as
-    ``seconds`` allow (at least one), and the cheapest result. None when no segment plan fits."""
-    fitting = sorted((r for r in candidates(problem) if predicted_peak(problem, r) <= budget),
-                     key=lambda r: extra_cost(problem, r))
-    deadline = time.perf_counter() + seconds
+def best_under(problem: Problem, budget: int, work: int = 400_000) -> dict[str, bool] | None:
+    """Multi-start local search: :func:`descend` from the cheapest fitting segment plans — as many starts
+    as ``work`` allows (evaluations × problem size: a count, not a clock, so the result is reproducible)
+    — and the cheapest result. None when no segment plan fits."""
+    fitting = [r for r, peak, cost in sorted(scored_candidates(problem), key=lambda s: s[2]) if peak <= budget]
+    per_start = min(160, len(problem.recomputable)) * (problem.num_positions + len(problem.activations))
+    starts = max(1, min(6, work // max(1, per_start)))
     best = None
     for start in fitting[:starts]:
         plan = descend(problem, budget, start)
         if best is None or extra_cost(problem, plan) < extra_cost(problem, best):
             best = plan
-        if time.perf_counter() > deadline:
-            break
     return best
