@@ -147,5 +147,7 @@ def extra_flops(problem: Problem, recompute: Mapping[str, bool]) -> int:
 
 
 def extra_cost(problem: Problem, recompute: Mapping[str, bool]) -> int:
-    """The solver's objective: summed recompute cost."""
-    return sum(problem.cost[op] for op, on in recompute.items() if on and op in problem.recomputable)
+    """The solver's objective: summed recompute cost, plus ``region_cost`` per recomputed region."""
+    ops = sum(problem.cost[op] for op, on in recompute.items() if on and op in problem.recomputable)
+    regions = max(region_ids(problem, recompute), default=-1) + 1
+    return ops + problem.region_cost * regions

@@ -54,6 +54,7 @@ class Problem:
     num_forward: int
     backward_op: dict[int, str] = field(default_factory=dict)   # backward position → op
     bytes_at_rest: dict[str, int] = field(default_factory=dict)  # resident breakdown, for reports
+    region_cost: int = 0                         # overhead of one recomputed region (a checkpoint call)
 
     @property
     def num_positions(self) -> int:

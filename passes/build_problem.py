@@ -16,6 +16,7 @@ from autorecompute.passes.profile import node_info, step_profile
 from autorecompute.problem import Activation, Problem
 
 BYTES_COST_WEIGHT = 8   # cost of recomputing an op: FLOPs + this many per byte it writes (memory-bound ops)
+REGION_COST = 2**22     # cost of one recomputed region: a checkpoint call's overhead, in FLOP-equivalents
 
 
 def is_transparent(node: torch.fx.Node) -> bool:
@@ -76,7 +77,7 @@ def build_problem(gm: torch.fx.GraphModule) -> Problem:
         flops={op: node_info(nodes[op]).flops for op in chain},
         activations=tuple(activations), fixed=tuple([0] * num_positions), num_forward=num_forward,
         backward_op={num_forward + i: op for i, op in enumerate(profile.backward_events) if op in in_chain},
-        bytes_at_rest=dict(profile.resident))
+        bytes_at_rest=dict(profile.resident), region_cost=REGION_COST)
     return calibrate(problem, measured)
 
 

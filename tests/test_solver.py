@@ -101,7 +101,7 @@ def random_problems(draw):
     fixed = tuple(draw(st.lists(st.integers(0, 5000), min_size=positions, max_size=positions)))
     return Problem(chain=chain, recomputable=recomputable, cost={op: draw(st.integers(1, 9)) for op in chain},
                    flops={op: 1 for op in chain}, activations=tuple(acts), fixed=fixed, num_forward=num_forward,
-                   backward_op={p: op for op, p in bpos.items()})
+                   backward_op={p: op for op, p in bpos.items()}, region_cost=draw(st.sampled_from([0, 3])))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

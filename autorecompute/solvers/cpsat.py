@@ -228,10 +228,21 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
     if budget is not None:
         model.add(peak <= budget // unit)
 
+    # Region starts: start[op] = 1 where a recomputed run begins (each region costs one checkpoint call).
+    starts_at = {}
+    previous = 0
+    for op in chain:
+        if op in r and problem.region_cost:
+            start = model.new_bool_var(f"region_start[{op}]")
+            model.add(start >= r[op] - previous)
+            starts_at[op] = start
+        previous = r.get(op, 0)
+
     # Costs scaled to at most 2**30 in total (each at least 1: recomputing is never free).
-    total = sum(problem.cost[op] for op in r) or 1
+    total = sum(problem.cost[op] for op in r) + problem.region_cost * len(starts_at) or 1
     scaled = {op: max(1, -(-problem.cost[op] * 2**30 // total)) for op in r}
-    cost = sum(scaled[op] * var for op, var in r.items())
+    region_scaled = -(-problem.region_cost * 2**30 // total) if problem.region_cost else 0
+    cost = sum(scaled[op] * var for op, var in r.items()) + region_scaled * sum(starts_at.values())
     if minimize == "peak":
         # least peak first, least cost among equal peaks (cost folded below one byte unit)
         tie = {op: max(1, scaled[op] >> 20) for op in r}
