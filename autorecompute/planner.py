@@ -143,9 +143,11 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
                                  seed=options.seed, hint=hint, progress=progress)
             solve_time += result.wall_time
             best, status = hint, f"heuristic (cp-sat {result.status})"
-            if result.recompute is not None and extra_cost(problem, result.recompute) < extra_cost(problem, hint) \
-                    and predicted_peak(problem, result.recompute) <= internal:
-                best, status = result.recompute, result.status
+            if result.recompute is not None and predicted_peak(problem, result.recompute) <= internal:
+                if extra_cost(problem, result.recompute) < extra_cost(problem, hint):
+                    best, status = result.recompute, result.status
+                elif result.status == "optimal":
+                    status = "optimal"     # the hint costs no more than CP-SAT's proven optimum
             cost = extra_cost(problem, best)
             gap = 0.0 if status == "optimal" else max(0.0, (cost - result.bound) / cost) if cost else 0.0
             candidate, candidate_peak = verify(best)
