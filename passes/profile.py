@@ -147,8 +147,9 @@ class _Profiler(torch.fx.Interpreter):
         self.order.append(n.name)
         self.pending_saves = []
         self.tracker.reset_window_peak()
-        with FlopCounterMode(display=False) as counter:
-            out = super().run_node(n)
+        flops_before = self.counter.get_total_flops()
+        out = super().run_node(n)
+        flops = self.counter.get_total_flops() - flops_before
         forward_peak = self.tracker.reset_window_peak()
         self.current = None
 
@@ -204,7 +205,7 @@ class _Profiler(torch.fx.Interpreter):
             self.grad_fn_owner.setdefault(id(flat_out[0].grad_fn), n.name)
             flat_out[0].grad_fn.register_prehook(self._on_backward(n.name))
         self.infos[n.name] = NodeInfo(
-            position=self.position, flops=int(counter.get_total_flops()), creates=created, reads=reads,
+            position=self.position, flops=int(flops), creates=created, reads=reads,
             saves=saves, saves_static_bytes=self.static_saved.get(n.name, 0), backward_event=None,
             forward_peak=forward_peak, module_path=module_path(n))
         self.forward_peaks.append(forward_peak)
@@ -250,7 +251,9 @@ def profile_step(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> StepPro
         profiler.backward_events, profiler.backward_peaks = [], []
         profiler.first_segment_peak = 0
         with tracker:
-            with torch.autograd.graph.saved_tensors_hooks(profiler.pack, lambda t: t):
+            # one FLOP counter for the whole forward: each node reads the difference it made
+            with torch.autograd.graph.saved_tensors_hooks(profiler.pack, lambda t: t), \
+                    FlopCounterMode(display=False) as profiler.counter:
                 outputs = profiler.run(*flat_args)
             out_tensors = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
             for t in out_tensors:
