@@ -121,6 +121,10 @@ class _Profiler(torch.fx.Interpreter):
         self.grad_fn_owner: dict[int, str] = {}
         self.order: list[str] = []
         self.forward_peaks: list[int] = []
+        self.backward_events: list[str] = []
+        self.backward_peaks: list[int] = []
+        self.first_segment_peak = 0          # memory before the first backward event (the seed gradients)
+        self.counter: FlopCounterMode | None = None
 
     # saved-tensor hook: records which storage the running node asks autograd to keep
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -211,9 +215,6 @@ class _Profiler(torch.fx.Interpreter):
         self.forward_peaks.append(forward_peak)
         return out
 
-    backward_events: list[str]
-    backward_peaks: list[int]
-
     def _on_backward(self, name: str):
         def hook(grad_outputs):
             peak = self.tracker.reset_window_peak()
@@ -248,8 +249,6 @@ def profile_step(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> StepPro
         static_keys = {t.untyped_storage()._cdata for t in static if isinstance(t, torch.Tensor)}
         tracker = LiveStorageTracker()
         profiler = _Profiler(gm, tracker, static_keys)
-        profiler.backward_events, profiler.backward_peaks = [], []
-        profiler.first_segment_peak = 0
         with tracker:
             # one FLOP counter for the whole forward: each node reads the difference it made
             with torch.autograd.graph.saved_tensors_hooks(profiler.pack, lambda t: t), \
