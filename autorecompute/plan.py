@@ -141,7 +141,7 @@ class Plan:
             f" ({fits})",
             f"  baseline peak   {format_bytes(self.baseline_peak):>12}   minimum peak   "
             f"{format_bytes(self.minimum_peak)}",
-            f"  resident        " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.resident.items() if v),
+            "  resident        " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.resident.items() if v),
             f"  recompute       {self.count('recompute')} of {len(self.decisions)} ops, extra FLOPs "
             f"{self.extra_flops:.3g} ({100 * self.extra_flops_ratio:.1f}% of forward)",
             "  held activations by action: " + ", ".join(

@@ -180,7 +180,6 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
     if name in HF:
         hf = copy.deepcopy(model)
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        hf_rows_before = len(rows)
         reset()
         hf.load_state_dict(initial)
         result = measured_step(hf, hf, case.args, case.kwargs, seed=1)
@@ -190,7 +189,7 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
                      "extra_flops_ratio": extra / eager_flops, "wall_ratio": wall_ratio(model, hf, case, reps),
                      "plan_time": 0.0, "grad_max_abs_diff": grad_diff(eager, result), "fits": True, "status": ""})
         print(f"  per-block (HF)               peak {format_bytes(result.peak):>11}", flush=True)
-        del hf, hf_rows_before
+        del hf
 
     reset()
     minimum = minimum_peak(case, limit)

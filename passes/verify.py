@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from autorecompute.runtime.memory import StepMemory, measure_step, tensor_bytes
+from autorecompute.runtime.memory import StepMemory, measure_step, resident_bytes
 from autorecompute.passes.fake import fake_step
 
 
@@ -16,8 +16,7 @@ def fake_step_memory(module: torch.nn.Module, args: tuple, kwargs: dict) -> Step
 
     The resident part is counted on the real state and inputs (fake storages are not tracked as "existing").
     """
-    resident = tensor_bytes([*module.parameters(), *module.buffers(),
-                             *[p.grad for p in module.parameters() if p.grad is not None], args, kwargs])
+    resident = resident_bytes(module, args, kwargs)
     with fake_step(module, args, kwargs) as (fake_args, fake_kwargs):
         measured = measure_step(module, fake_args, fake_kwargs)
     return StepMemory(resident=resident, tracked_peak=measured.tracked_peak)

@@ -5,7 +5,6 @@ activations dominate the step (otherwise there is nothing to plan) and one step 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -155,7 +154,7 @@ def unet() -> Case:
     return Case("unet", UNet(), (torch.randn(4, 3, 32, 32),))
 
 
-from autorecompute._demo_model import GPT, GPTBlock  # noqa: E402  (the demo model is the same GPT)
+from autorecompute._demo_model import GPT  # noqa: E402  (the demo model is the same GPT)
 
 
 def gpt() -> Case:

@@ -1,6 +1,5 @@
 """Property test: random DAG models × random budgets → never a crash, a budget violation or a wrong
 gradient; budgets below the minimum give the typed error."""
-import pytest
 import torch
 import torch.nn as nn
 from hypothesis import HealthCheck, given, settings

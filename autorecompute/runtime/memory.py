@@ -98,6 +98,12 @@ def tensor_bytes(values: Iterable[Any]) -> int:
     return sum(seen.values())
 
 
+def resident_bytes(module: torch.nn.Module, args: tuple, kwargs: dict) -> int:
+    """Bytes live before a step: parameters, buffers, existing gradients and the inputs."""
+    return tensor_bytes([*module.parameters(), *module.buffers(),
+                         *[p.grad for p in module.parameters() if p.grad is not None], args, kwargs])
+
+
 @dataclass(frozen=True)
 class StepMemory:
     """Memory of one forward + backward step.
@@ -145,8 +151,7 @@ def measure_step(module: torch.nn.Module, args: tuple, kwargs: dict | None = Non
         True
     """
     kwargs = kwargs or {}
-    resident = tensor_bytes([*module.parameters(), *module.buffers(),
-                             *[p.grad for p in module.parameters() if p.grad is not None], args, kwargs])
+    resident = resident_bytes(module, args, kwargs)
     tracker = LiveStorageTracker()
     with tracker:
         outputs = step(module, args, kwargs)
