@@ -6,9 +6,10 @@
 """
 from autorecompute.api import CompiledModule, compile, plan
 from autorecompute.budget import format_bytes, parse_budget
-from autorecompute.errors import AutorecomputeError, CaptureError, InfeasibleBudgetError
+from autorecompute.errors import AutorecomputeError, CaptureError, InfeasibleBudgetError, OffloadError
 from autorecompute.plan import Plan
+from autorecompute.transfer import TransferModel
 
-__all__ = ["compile", "plan", "parse_budget", "format_bytes", "Plan", "CompiledModule",
-           "InfeasibleBudgetError", "CaptureError", "AutorecomputeError"]
-__version__ = "0.1.0"
+__all__ = ["compile", "plan", "parse_budget", "format_bytes", "Plan", "CompiledModule", "TransferModel",
+           "InfeasibleBudgetError", "CaptureError", "OffloadError", "AutorecomputeError"]
+__version__ = "0.2.0"

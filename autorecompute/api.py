@@ -10,7 +10,8 @@ from torch.utils._pytree import tree_flatten
 
 from autorecompute.budget import parse_budget
 from autorecompute.plan import Plan
-from autorecompute.planner import Planned, PlannerOptions, make_plan
+from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
+from autorecompute.transfer import TransferModel
 
 log = logging.getLogger("autorecompute")
 if os.environ.get("AUTORECOMPUTE_LOG"):
@@ -71,8 +72,9 @@ class CompiledModule(torch.nn.Module):
 
     @property
     def graph_module(self) -> torch.fx.GraphModule | None:
-        """The rewritten GraphModule of the most recent input signature."""
-        return self._last.module if self._last else None
+        """The rewritten GraphModule of the most recent input signature (``print(opt.graph_module.code)``
+        shows its recompute regions and its offload, prefetch and cast nodes)."""
+        return self._last.graph_module if self._last else None
 
     @property
     def plans(self) -> dict[str, Plan]:
@@ -120,8 +122,16 @@ class CompiledModule(torch.nn.Module):
         return self._planned(args, kwargs).module(*args, **kwargs)
 
 
-def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple[str, ...] = ("recompute",),
-            solver_time_limit: float = 8.0, seed: int = 0) -> CompiledModule:
+def _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed) -> PlannerOptions:
+    return PlannerOptions(actions=tuple(actions) if not isinstance(actions, str) else actions,
+                          compress_dtypes=None if compress_dtypes is None else
+                          (tuple(compress_dtypes) if not isinstance(compress_dtypes, str) else compress_dtypes),
+                          offload_dir=offload_dir, transfer=transfer, solver_time_limit=solver_time_limit, seed=seed)
+
+
+def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple[str, ...] = DEFAULT_ACTIONS,
+            compress_dtypes: tuple[str, ...] | None = None, offload_dir: str | None = None,
+            transfer: TransferModel | None = None, solver_time_limit: float = 8.0, seed: int = 0) -> CompiledModule:
     """Wraps ``model`` so each training step fits in ``budget`` bytes, planning lazily per input signature.
 
     Args:
@@ -130,7 +140,14 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
             that fraction of the unoptimized peak. It bounds everything live on the device from the start
             of forward to the end of backward: parameters, buffers, inputs, existing gradients, activations,
             temporaries and the gradients produced.
-        actions: what the solver may use besides keeping a tensor; currently ``("recompute",)``.
+        actions: what the solver may do besides keeping a tensor: ``"recompute"``, ``"offload"`` (CUDA:
+            to pinned host memory, then disk; CPU: to disk) — both exact, the default — and ``"compress"``
+            (lossy, opt-in).
+        compress_dtypes: what ``"compress"`` may store activations as, among ``"bfloat16"`` (the default),
+            ``"float16"``, ``"float8"`` (e4m3fn, per-tensor scale) and ``"int8"`` (per-channel scale).
+        offload_dir: directory of the disk tier (None: the system temporary directory); checked now.
+        transfer: compute and transfer throughputs of the cost model (``autorecompute.transfer``); None
+            takes the device's defaults, ``autorecompute.transfer.measure()`` times this machine.
         solver_time_limit: about the seconds of the cost solve (the minimum-peak solve gets a quarter),
             as deterministic CP-SAT work, so the plan does not depend on the machine's load; the best plan
             found by then is used.
@@ -146,18 +163,21 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
         True
 
     Raises:
-        ValueError: for a malformed budget or unknown action (at once).
+        ValueError: for a malformed budget, an unknown action or compress dtype (at once).
+        autorecompute.OffloadError: when ``offload_dir`` cannot be written (at once), or when a disk fills
+            up during a step (the step stops; nothing is lost silently).
         autorecompute.InfeasibleBudgetError: on the first training call, if no plan fits.
         autorecompute.CaptureError: on the first training call, if the model cannot be captured.
     """
     parse_budget(budget)
-    options = PlannerOptions(actions=tuple(actions), solver_time_limit=solver_time_limit, seed=seed)
+    options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed)
     return CompiledModule(model, budget, options)
 
 
-def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tuple[str, ...] = ("recompute",),
-         solver_time_limit: float = 8.0, seed: int = 0, **kwargs) -> Plan:
-    """Plans ``model`` for the example inputs without running a training step.
+def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tuple[str, ...] = DEFAULT_ACTIONS,
+         compress_dtypes: tuple[str, ...] | None = None, offload_dir: str | None = None,
+         transfer: TransferModel | None = None, solver_time_limit: float = 8.0, seed: int = 0, **kwargs) -> Plan:
+    """Plans ``model`` for the example inputs without running a training step (arguments as :func:`compile`).
 
     Inputs and model may live on the ``meta`` device: planning runs on fake tensors and allocates nothing.
 
@@ -168,6 +188,6 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
         >>> p.count("recompute")
         0
     """
-    options = PlannerOptions(actions=tuple(actions), solver_time_limit=solver_time_limit, seed=seed)
+    options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed)
     planned: Planned = make_plan(model, args, kwargs, budget, options, input_signature(args, kwargs))
     return planned.plan

@@ -26,13 +26,19 @@ class InfeasibleBudgetError(AutorecomputeError, ValueError):
         self.minimum = minimum
         self.breakdown = dict(breakdown)
         rows = "\n".join(f"    {kind:<12} {format_bytes(n):>12}" for kind, n in breakdown.items())
+        missing = tuple(a for a in ("recompute", "offload", "compress") if a not in actions)
+        more = f"allow more actions (e.g. actions={tuple(actions) + missing[:1]!r}), " if missing else ""
         super().__init__(
             f"budget {format_bytes(budget)} is below the minimum peak {format_bytes(minimum)} "
             f"({minimum} bytes) reachable with actions {actions}.\n"
             f"  The minimum peak is made of:\n{rows}\n"
-            f"  Fix: pass budget>={minimum}, or allow more actions (e.g. actions=('recompute', 'offload')), "
-            f"or shrink the batch.")
+            f"  Fix: pass budget>={minimum}, or {more}or shrink the batch.")
 
 
 class SolverError(AutorecomputeError, RuntimeError):
     """The solver failed in a way that is a bug in autorecompute: please report it."""
+
+
+class OffloadError(AutorecomputeError, OSError):
+    """Offloading an activation failed (a directory that cannot be written, a full disk): the step stops
+    rather than lose the tensor. The message names the tensor, the path and the fix."""

@@ -11,7 +11,11 @@ checks both on every assignment of small problems). Regions are the maximal runs
   being held as an input also keeps it over ``[hold_start, save_end]``;
 * when ``o``'s region is recomputed in backward, ``t`` is materialized again and lives until its earliest
   saver's backward: at the backward of op ``j`` it counts iff ``o`` and ``j`` are in one region and the
-  earliest saver of ``t`` is at or before ``j`` in the chain.
+  earliest saver of ``t`` is at or before ``j`` in the chain;
+* when ``t`` is stashed (``stash[t.name]`` names one of its :class:`~autorecompute.problem.StashOption`),
+  is held by a kept saver and by no region, its held interval ``[hold_start, save_end]`` is replaced by
+  the stored copy over ``[stored_from, save_end]`` and the restored tensor over ``[restored_from,
+  save_end]``; a stash choice that is not valid for the recompute decisions has no effect (and no cost).
 """
 from __future__ import annotations
 
@@ -39,34 +43,53 @@ class Timeline:
 
     ``fixed``: no decision changes it (resident state, gradients, activations in their forward life,
     temporaries); ``held``: activations kept after their last forward use (by autograd or as region
-    inputs); ``recomputed``: activations rematerialized in backward. ``total = fixed + held + recomputed``.
+    inputs); ``recomputed``: activations rematerialized in backward; ``stashed``: compressed copies and
+    offloaded or compressed activations restored for backward.
+    ``total = fixed + held + recomputed + stashed``.
     """
 
     fixed: tuple[int, ...]
     held: tuple[int, ...]
     recomputed: tuple[int, ...]
+    stashed: tuple[int, ...] = ()
 
     @property
     def total(self) -> list[int]:
-        return [f + h + r for f, h, r in zip(self.fixed, self.held, self.recomputed)]
+        stashed = self.stashed or (0,) * len(self.fixed)
+        return [f + h + r + s for f, h, r, s in zip(self.fixed, self.held, self.recomputed, stashed)]
 
 
-def _pieces(problem: Problem, recompute: Mapping[str, bool]):
-    """Yields ``(activation, start, end, kind)`` for every interval an activation occupies beyond its
-    forward life: kind "held" (autograd or a region keeps it) or "recomputed" (chain indices of the ops
-    at whose backward it is rematerialized)."""
+Stash = Mapping[str, str]   # activation name → StashOption.action
+
+
+def _holders(act, region: list[int], index: Mapping[str, int]) -> tuple[int, bool, bool]:
+    """``(owner's region, held as a region input, held by a kept saver)`` of ``act``."""
+    owner_region = region[index[act.owner]] if act.owner in index else -1
+    as_input = any(region[index[c]] >= 0 and region[index[c]] != owner_region for c in act.readers
+                   if c in index)
+    by_saver = any(region[index[s]] < 0 if s in index else True for s in act.savers)
+    return owner_region, as_input, by_saver
+
+
+def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None):
+    """Yields ``(activation, start, end, kind, nbytes)`` for every interval an activation occupies beyond
+    its forward life: kind "held" (autograd or a region keeps it), "stashed" (its stored copy or restored
+    tensor) or "recomputed" (chain indices of the ops at whose backward it is rematerialized)."""
     index = problem.index()
     first_saver = _first_savers(problem, index)
     region = region_ids(problem, recompute)
+    stash = stash or {}
     for act in problem.activations:
-        owner_region = region[index[act.owner]] if act.owner in index else -1
-        as_input = any(region[index[c]] >= 0 and region[index[c]] != owner_region for c in act.readers
-                       if c in index)
-        by_saver = any(region[index[s]] < 0 if s in index else True for s in act.savers)
+        owner_region, as_input, by_saver = _holders(act, region, index)
         if act.savers and (by_saver or as_input) and act.save_end >= act.hold_start:
-            yield act, act.hold_start, act.save_end, "held"
+            option = problem.stash_option(act.name, stash.get(act.name))
+            if option is not None and by_saver and not as_input:
+                yield act, option.stored_from, act.save_end, "stashed", option.stored_bytes
+                yield act, option.restored_from, act.save_end, "stashed", act.nbytes
+            else:
+                yield act, act.hold_start, act.save_end, "held", act.nbytes
         if as_input and act.read_end >= max(act.hold_start, act.save_end + 1):
-            yield act, max(act.hold_start, act.save_end + 1), act.read_end, "held"
+            yield act, max(act.hold_start, act.save_end + 1), act.read_end, "held", act.nbytes
         first = first_saver.get(act.name)
         if owner_region >= 0 and first is not None and index[first] >= index[act.owner]:
             # alive at the backward of every op from the earliest saver to the end of the owner's region
@@ -74,40 +97,63 @@ def _pieces(problem: Problem, recompute: Mapping[str, bool]):
             while end + 1 < len(region) and region[end + 1] == owner_region:
                 end += 1
             if index[first] <= end:
-                yield act, index[first], end, "recomputed"
+                yield act, index[first], end, "recomputed", act.nbytes
 
 
-def held_at(problem: Problem, recompute: Mapping[str, bool], position: int) -> set[str]:
+def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None) -> dict[str, str]:
+    """The stash choices that take effect under ``recompute`` (the others are dropped)."""
+    if not stash:
+        return {}
+    index = problem.index()
+    region = region_ids(problem, recompute)
+    effective = {}
+    for act in problem.activations:
+        action = stash.get(act.name)
+        if action is None or problem.stash_option(act.name, action) is None:
+            continue
+        _, as_input, by_saver = _holders(act, region, index)
+        if act.savers and by_saver and not as_input and act.save_end >= act.hold_start:
+            effective[act.name] = action
+    return effective
+
+
+def held_at(problem: Problem, recompute: Mapping[str, bool], position: int,
+            stash: Stash | None = None) -> set[str]:
     """Owners of the activations held (not recomputed) at ``position``: what the peak is made of."""
-    return {act.owner for act, start, end, kind in _pieces(problem, recompute)
+    return {act.owner for act, start, end, kind, _ in _pieces(problem, recompute, stash)
             if kind == "held" and start <= position <= end}
 
 
-def memory_components(problem: Problem, recompute: Mapping[str, bool]) -> Timeline:
-    """The predicted memory of every position for the decisions ``recompute`` (op → bool), by component."""
+def memory_components(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> Timeline:
+    """The predicted memory of every position for the decisions ``recompute`` (op → bool) and ``stash``
+    (activation → action), by component."""
     index = problem.index()
     delta = [0] * (problem.num_positions + 1)
+    stash_delta = [0] * (problem.num_positions + 1)
     remat_delta = [0] * (len(problem.chain) + 1)
-    for act, start, end, kind in _pieces(problem, recompute):
-        target = delta if kind == "held" else remat_delta
-        target[start] += act.nbytes
-        target[end + 1] -= act.nbytes
+    for act, start, end, kind, nbytes in _pieces(problem, recompute, stash):
+        target = {"held": delta, "stashed": stash_delta, "recomputed": remat_delta}[kind]
+        target[start] += nbytes
+        target[end + 1] -= nbytes
 
     remat, running = [], 0
     for i in range(len(problem.chain)):
         running += remat_delta[i]
         remat.append(running)
-    held, recomputed, running = [], [], 0
+    held, stashed, recomputed, running, running_stash = [], [], [], 0, 0
     for p in range(problem.num_positions):
         running += delta[p]
+        running_stash += stash_delta[p]
         held.append(running)
+        stashed.append(running_stash)
         op = problem.backward_op.get(p)
         recomputed.append(remat[index[op]] if op is not None and op in index else 0)
-    return Timeline(fixed=tuple(problem.fixed), held=tuple(held), recomputed=tuple(recomputed))
+    return Timeline(fixed=tuple(problem.fixed), held=tuple(held), recomputed=tuple(recomputed),
+                    stashed=tuple(stashed))
 
 
-def memory_timeline(problem: Problem, recompute: Mapping[str, bool]) -> list[int]:
-    """Predicted bytes at every position for the decisions ``recompute`` (op → bool).
+def memory_timeline(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> list[int]:
+    """Predicted bytes at every position for the decisions ``recompute`` (op → bool) and ``stash``.
 
     Example:
         >>> from autorecompute.problem import Activation, Problem
@@ -118,7 +164,7 @@ def memory_timeline(problem: Problem, recompute: Mapping[str, bool]) -> list[int
         >>> memory_timeline(problem, {"fc": False}), memory_timeline(problem, {"fc": True})
         ([10, 10, 110, 110], [10, 10, 110, 110])
     """
-    return memory_components(problem, recompute).total
+    return memory_components(problem, recompute, stash).total
 
 
 def _first_savers(problem: Problem, index: Mapping[str, int]) -> dict[str, str | None]:
@@ -136,9 +182,9 @@ def _first_savers(problem: Problem, index: Mapping[str, int]) -> dict[str, str |
 _FIRST_SAVERS: dict[int, tuple[Problem, dict]] = {}
 
 
-def predicted_peak(problem: Problem, recompute: Mapping[str, bool]) -> int:
+def predicted_peak(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> int:
     """Highest predicted bytes over the step."""
-    return max(memory_timeline(problem, recompute))
+    return max(memory_timeline(problem, recompute, stash))
 
 
 def extra_flops(problem: Problem, recompute: Mapping[str, bool]) -> int:
@@ -146,8 +192,15 @@ def extra_flops(problem: Problem, recompute: Mapping[str, bool]) -> int:
     return sum(problem.flops.get(op, 0) for op, on in recompute.items() if on and op in problem.recomputable)
 
 
-def extra_cost(problem: Problem, recompute: Mapping[str, bool]) -> int:
-    """The solver's objective: summed recompute cost, plus ``region_cost`` per recomputed region."""
+def stash_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None) -> int:
+    """Cost of the stash choices that take effect."""
+    return sum(problem.stash_option(name, action).cost
+               for name, action in effective_stash(problem, recompute, stash).items())
+
+
+def extra_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> int:
+    """The solver's objective: summed recompute cost, ``region_cost`` per recomputed region, and the cost
+    of the stash choices that take effect."""
     ops = sum(problem.cost[op] for op, on in recompute.items() if on and op in problem.recomputable)
     regions = max(region_ids(problem, recompute), default=-1) + 1
-    return ops + problem.region_cost * regions
+    return ops + problem.region_cost * regions + stash_cost(problem, recompute, stash)

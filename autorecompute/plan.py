@@ -1,8 +1,9 @@
 """The Plan: the only thing the solver hands to the rewriter, and what users read.
 
 A frozen, JSON-serializable record keyed by node name. ``decisions`` maps every op the solver could act on
-to ``"keep"`` or ``"recompute"``; ``nodes`` carries what a person needs to read it (shape, dtype, bytes,
-module path, FLOPs).
+to ``"keep"`` or ``"recompute"``; ``stash`` maps every activation taken off the device (``"offload"``) or
+stored smaller (``"compress:<dtype>"``) to a :class:`StashRecord`; ``nodes`` carries what a person needs to
+read it (shape, dtype, bytes, module path, FLOPs).
 """
 from __future__ import annotations
 
@@ -12,8 +13,36 @@ from typing import Any
 
 from autorecompute.budget import format_bytes
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2          # 2: adds ``stash``; version 1 files (no stash) are still read
 ACTIONS = ("keep", "recompute", "offload", "compress")
+
+
+@dataclass(frozen=True)
+class StashRecord:
+    """One activation the plan offloads or compresses.
+
+    Attributes:
+        action: ``"offload"`` (prefetched before backward needs it), ``"offload:late"`` (copied back when
+            backward needs it: less memory, the copy not hidden) or ``"compress:<dtype>"``.
+        owner: the op that makes it.
+        nbytes: its size; ``stored_bytes`` what stays on the device meanwhile (0 when offloaded).
+        shape, dtype: of the tensor.
+        expected_error: ``"exact"`` for offload, the codec's error bound for compress.
+        prefetch_event: backward event from which it may be back on the device.
+    """
+
+    action: str
+    owner: str
+    nbytes: int
+    stored_bytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    expected_error: str
+    prefetch_event: int
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.nbytes - self.stored_bytes
 
 
 @dataclass(frozen=True)
@@ -42,6 +71,7 @@ class Plan:
             (``InfeasibleBudgetError.minimum`` is always verified).
         model_peak: the solver's own memory-model estimate of this plan's peak.
         decisions: node name → "keep" / "recompute".
+        stash: tensor name → :class:`StashRecord`, for the activations offloaded or compressed.
         extra_flops: FLOPs recomputed in backward; ``baseline_flops`` the FLOPs of the forward.
         solver_status / solver_time / solver_gap: CP-SAT's status, seconds and relative optimality gap of
             the cost solve ("trivial" when nothing had to be recomputed, "fallback" when the minimum-peak
@@ -78,11 +108,23 @@ class Plan:
     timeline: dict[str, list[int]] = field(default_factory=dict)
     num_forward: int = 0
     at_peak: tuple[str, ...] = ()
+    stash: dict[str, StashRecord] = field(default_factory=dict)
 
     # ---- queries -------------------------------------------------------------------------------------
     def count(self, action: str) -> int:
-        """Number of ops with ``action``."""
-        return sum(1 for a in self.decisions.values() if a == action)
+        """Number of ops with ``action`` ("keep", "recompute"), or of tensors stashed with it ("offload",
+        "compress", "compress:bfloat16", ...)."""
+        if action in ("keep", "recompute"):
+            return sum(1 for a in self.decisions.values() if a == action)
+        return sum(1 for r in self.stash.values() if r.action == action or r.action.split(":")[0] == action)
+
+    def action_of(self, op: str) -> str:
+        """What happens to ``op``'s held outputs: "recompute", "keep", or their stash actions."""
+        action = self.decisions.get(op, "keep")
+        if action == "recompute":
+            return action
+        stashed = sorted({r.action for r in self.stash.values() if r.owner == op})
+        return "+".join(stashed) if stashed else action
 
     @property
     def extra_flops_ratio(self) -> float:
@@ -93,18 +135,30 @@ class Plan:
         """One row per decided op, in graph order: name, module, shape, dtype, bytes, held bytes (what
         autograd keeps of it when nothing is recomputed), FLOPs, action, and why."""
         rows = []
-        for name, action in self.decisions.items():
+        for name in self.decisions:
+            action = self.action_of(name)
             node = self.nodes.get(name) or NodeRecord((), "", 0, 0, 0, "")
             rows.append({"name": name, "action": action, "module": node.module, "shape": tuple(node.shape),
                          "dtype": node.dtype, "bytes": node.nbytes, "held_bytes": node.held_bytes,
-                         "flops": node.flops, "why": _why(action, node, name in self.at_peak)})
+                         "flops": node.flops, "why": _why(action, node, name in self.at_peak, self._stashed_of(name))})
         return rows
 
+    def _stashed_of(self, op: str) -> list[StashRecord]:
+        return [r for r in self.stash.values() if r.owner == op]
+
     def bytes_by_action(self) -> dict[str, int]:
-        """Bytes of activations each action takes off the held set (``keep``: what stays held)."""
+        """Bytes of activations each action takes off the device between forward and backward: recomputed,
+        offloaded, saved by each compression dtype; ``keep``: what stays held on the device."""
         totals: dict[str, int] = {}
-        for row in self.table():
-            totals[row["action"]] = totals.get(row["action"], 0) + row["held_bytes"]
+        for name, action in self.decisions.items():
+            held = self.nodes[name].held_bytes if name in self.nodes else 0
+            if action == "recompute":
+                totals["recompute"] = totals.get("recompute", 0) + held
+                continue
+            for record in self._stashed_of(name):
+                totals[record.action] = totals.get(record.action, 0) + record.saved_bytes
+                held -= record.saved_bytes
+            totals["keep"] = totals.get("keep", 0) + max(0, held)
         return totals
 
     # ---- serialization -------------------------------------------------------------------------------
@@ -121,15 +175,16 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         data = json.loads(text)
         version = data.pop("schema_version", None)
-        if version != SCHEMA_VERSION:
+        if version not in (1, SCHEMA_VERSION):
             raise ValueError(f"plan JSON has schema_version {version!r}; this autorecompute reads "
-                             f"{SCHEMA_VERSION}")
+                             f"1 to {SCHEMA_VERSION}")
         known = {f.name for f in fields(cls)}
         data = {k: v for k, v in data.items() if k in known}
         data["actions"] = tuple(data.get("actions", ()))
         data["nodes"] = {k: NodeRecord(**{**v, "shape": tuple(v["shape"])}) for k, v in data["nodes"].items()}
         data["edges"] = tuple(tuple(e) for e in data.get("edges", ()))
         data["at_peak"] = tuple(data.get("at_peak", ()))
+        data["stash"] = {k: StashRecord(**{**v, "shape": tuple(v["shape"])}) for k, v in data.get("stash", {}).items()}
         return cls(**data)
 
     # ---- reading ---------------------------------------------------------------------------------------
@@ -144,11 +199,21 @@ class Plan:
             "  resident        " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.resident.items() if v),
             f"  recompute       {self.count('recompute')} of {len(self.decisions)} ops, extra FLOPs "
             f"{self.extra_flops:.3g} ({100 * self.extra_flops_ratio:.1f}% of forward)",
-            "  held activations by action: " + ", ".join(
+            *self._stash_lines(),
+            "  activation bytes off the device by action: " + ", ".join(
                 f"{action} {format_bytes(n)}" for action, n in sorted(self.bytes_by_action().items())),
             f"  solver          {self.solver_status}, {self.solver_time:.2f} s, gap {100 * self.solver_gap:.1f}%"
             f"; plan made in {self.plan_time:.2f} s",
         ])
+
+    def _stash_lines(self) -> list[str]:
+        lines = []
+        for action in sorted({r.action for r in self.stash.values()}):
+            records = [r for r in self.stash.values() if r.action == action]
+            moved = sum(r.saved_bytes for r in records)
+            lines.append(f"  {action:<15} {len(records)} tensors, {format_bytes(moved)} off the device"
+                         + ("" if action.startswith("offload") else f"; expected error {records[0].expected_error}"))
+        return lines
 
     def __str__(self) -> str:
         from autorecompute.report import format_table
@@ -178,7 +243,13 @@ class Plan:
         return plot_memory(self, path, ax)
 
 
-def _why(action: str, node: NodeRecord, held_at_peak: bool) -> str:
+def _why(action: str, node: NodeRecord, held_at_peak: bool, stashed: list[StashRecord] = ()) -> str:
+    if stashed:
+        moved = sum(r.saved_bytes for r in stashed)
+        if all(r.action.startswith("offload") for r in stashed):
+            return (f"offloaded {format_bytes(moved)}: cheaper than recomputing "
+                    f"{node.flops:.3g} FLOPs, copy hidden behind compute")
+        return f"compressed: {format_bytes(moved)} smaller until backward"
     if action == "recompute":
         if node.held_bytes == 0:
             return "holds nothing itself: recomputed to rebuild a later op's input"

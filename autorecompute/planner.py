@@ -17,47 +17,88 @@ import torch.fx
 
 from autorecompute.budget import parse_budget, resolve_budget
 from autorecompute.errors import InfeasibleBudgetError
-from autorecompute.memory_model import (extra_cost, extra_flops, held_at, memory_components, memory_timeline,
-                                         predicted_peak)
+from autorecompute.memory_model import (effective_stash, extra_cost, extra_flops, held_at, memory_components,
+                                         memory_timeline, predicted_peak)
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import node_info, step_profile, profile_step
 from autorecompute.passes.rewrite_recompute import rewrite_recompute
+from autorecompute.passes.rewrite_stash import rewrite_stash
 from autorecompute.passes.verify import fake_step_memory
-from autorecompute.plan import NodeRecord, Plan
+from autorecompute.plan import NodeRecord, Plan, StashRecord
 from autorecompute.problem import Problem
+from autorecompute.runtime.codecs import CODECS
+from autorecompute.runtime.stash import StashedModule, StashRuntime
+from autorecompute.runtime.tiers import check_writable
 from autorecompute.solvers import cpsat, greedy
+from autorecompute.transfer import TransferModel, default_for
 
 log = logging.getLogger("autorecompute")
 
-SUPPORTED_ACTIONS = ("recompute",)
+SUPPORTED_ACTIONS = ("recompute", "offload", "compress")
+DEFAULT_ACTIONS = ("recompute", "offload")      # the lossless ones
 MAX_TIGHTENINGS = 4
 NEAR_MINIMUM = 1.15   # budgets below this multiple of the heuristic minimum get a CP-SAT minimum-peak solve
+
+Decisions = tuple[dict[str, bool], dict[str, str]]     # (op → recomputed, activation → stash action)
 
 
 @dataclass(frozen=True)
 class PlannerOptions:
     """Knobs of the planner, validated once at ``compile``/``plan`` time."""
 
-    actions: tuple[str, ...] = ("recompute",)
+    actions: tuple[str, ...] = DEFAULT_ACTIONS
     solver_time_limit: float = 8.0
     seed: int = 0
+    compress_dtypes: tuple[str, ...] | None = None
+    offload_dir: str | None = None
+    transfer: TransferModel | None = None
 
     def __post_init__(self):
+        if isinstance(self.actions, str):
+            raise ValueError(f"actions={self.actions!r} must be a tuple such as ('recompute', 'offload')")
         unknown = [a for a in self.actions if a not in SUPPORTED_ACTIONS]
         if unknown or not self.actions:
             raise ValueError(f"actions={self.actions!r}: unknown {unknown}; accepted actions are "
                              f"{SUPPORTED_ACTIONS} ('keep' is always allowed)")
+        if self.compress_dtypes is not None:
+            if isinstance(self.compress_dtypes, str):
+                raise ValueError(f"compress_dtypes={self.compress_dtypes!r} must be a tuple such as ('bfloat16',)")
+            bad = [d for d in self.compress_dtypes if d not in CODECS]
+            if bad or not self.compress_dtypes:
+                raise ValueError(f"compress_dtypes={self.compress_dtypes!r}: unknown {bad}; accepted compress "
+                                 f"dtypes are {tuple(CODECS)}")
+            if "compress" not in self.actions:
+                raise ValueError(f"compress_dtypes={self.compress_dtypes!r} given but 'compress' is not in "
+                                 f"actions={self.actions!r}: add it (compression is lossy, so it is opt-in)")
+        if self.offload_dir is not None:
+            if "offload" not in self.actions:
+                raise ValueError(f"offload_dir={self.offload_dir!r} given but 'offload' is not in "
+                                 f"actions={self.actions!r}")
+            check_writable(self.offload_dir)
+        if self.transfer is not None and not isinstance(self.transfer, TransferModel):
+            raise ValueError(f"transfer={self.transfer!r} must be an autorecompute.transfer.TransferModel")
         if not self.solver_time_limit > 0:
             raise ValueError(f"solver_time_limit={self.solver_time_limit!r} must be > 0 seconds")
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The compress dtypes in effect (bfloat16 when compress is allowed and none were named)."""
+        if "compress" not in self.actions:
+            return ()
+        return tuple(self.compress_dtypes or ("bfloat16",))
 
 
 @dataclass
 class Planned:
-    """A plan and the GraphModule that carries it out."""
+    """A plan and the module that carries it out (a GraphModule, or a :class:`StashedModule` around one)."""
 
     plan: Plan
-    module: torch.fx.GraphModule
+    module: torch.nn.Module
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        return self.module.graph_module if isinstance(self.module, StashedModule) else self.module
 
 
 def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -73,8 +114,17 @@ def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return clone
 
 
-def _keep_all(problem: Problem) -> dict[str, bool]:
-    return {op: False for op in problem.chain if op in problem.recomputable}
+def _keep_all(problem: Problem) -> Decisions:
+    return {op: False for op in problem.chain if op in problem.recomputable}, {}
+
+
+def _device_type(args: tuple, kwargs: dict) -> str:
+    from torch.utils._pytree import tree_flatten
+
+    for value in tree_flatten((args, kwargs))[0]:
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    return "cpu"
 
 
 def _decisions(problem: Problem, recompute: dict[str, bool]) -> dict[str, str]:
@@ -90,39 +140,51 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     log.debug("capture: %.2f s, %d nodes", time.perf_counter() - started, len(gm.graph.nodes))
     t = time.perf_counter()
     profile = profile_step(gm, args, kwargs)
-    problem = build_problem(gm)
-    log.debug("profile + problem: %.2f s, %d ops in chain, %d recomputable, %d activations",
-              time.perf_counter() - t, len(problem.chain), len(problem.recomputable), len(problem.activations))
+    transfer = options.transfer or default_for(_device_type(args, kwargs))
+    problem = build_problem(gm, recompute="recompute" in options.actions,
+                            offload=transfer if "offload" in options.actions else None,
+                            compress_dtypes=options.dtypes)
+    log.debug("profile + problem: %.2f s, %d ops in chain, %d recomputable, %d activations, %d stashable",
+              time.perf_counter() - t, len(problem.chain), len(problem.recomputable), len(problem.activations),
+              len(problem.stash_options))
     baseline_peak = profile.peak
     budget_bytes = resolve_budget(parsed, baseline_peak)
+    runtime = StashRuntime(options.offload_dir) if problem.stash_options else None
 
-    def verify(recompute: dict[str, bool]) -> tuple[torch.fx.GraphModule, int]:
+    def verify(decisions: Decisions) -> tuple[torch.nn.Module, int]:
+        recompute, stash = decisions
         candidate = rewrite_recompute(clone_graph_module(gm), _decisions(problem, recompute))
+        if stash:
+            prefetch = {name: problem.stash_option(name, action).restored_from - problem.num_forward
+                        for name, action in stash.items()}
+            candidate = StashedModule(rewrite_stash(candidate, stash, prefetch, runtime))
         return candidate, fake_step_memory(candidate, args, kwargs).peak
 
     # 1. The lowest peak reachable: the minimum budget, the fallback, and the hint of the cost solve.
     t = time.perf_counter()
     heuristic = greedy.lowest_peak(problem)
     progress = sys.stderr.isatty()    # a live status line for people, nothing in logs and pipes
-    lowest = cpsat.SolverResult(heuristic, "heuristic", predicted_peak(problem, heuristic), 0.0, 1.0, 0.0)
-    if budget_bytes < NEAR_MINIMUM * lowest.objective:
+    lowest_decisions, lowest_peak = heuristic, predicted_peak(problem, *heuristic)
+    lowest_status, lowest_gap, lowest_time = "heuristic", 1.0, 0.0
+    if budget_bytes < NEAR_MINIMUM * lowest_peak:
         # the minimum matters only when the budget is close to it: then ask CP-SAT for a lower one
         solved = cpsat.solve(problem, minimize="peak", time_limit=options.solver_time_limit / 4, seed=options.seed,
-                             hint=heuristic, progress=progress)
-        if solved.recompute is not None and solved.objective <= lowest.objective:
-            lowest = solved
-    minimum_recompute = lowest.recompute
-    minimum_model_peak = predicted_peak(problem, minimum_recompute)
-    verified_minimum: list[tuple[torch.fx.GraphModule, int]] = []
+                             hint=heuristic[0], hint_stash=heuristic[1], progress=progress)
+        lowest_time = solved.wall_time
+        if solved.recompute is not None and solved.objective <= lowest_peak:
+            lowest_decisions = (solved.recompute, effective_stash(problem, solved.recompute, solved.stash))
+            lowest_peak, lowest_status, lowest_gap = solved.objective, solved.status, solved.gap
+    minimum_model_peak = predicted_peak(problem, *lowest_decisions)
+    verified_minimum: list[tuple[torch.nn.Module, int]] = []
 
-    def minimum() -> tuple[torch.fx.GraphModule, int]:
+    def minimum() -> tuple[torch.nn.Module, int]:
         """The minimum-peak plan, verified once, when a decision needs it."""
         if not verified_minimum:
-            module, peak = verify(minimum_recompute) if minimum_model_peak < baseline_peak else (gm, baseline_peak)
+            module, peak = verify(lowest_decisions) if minimum_model_peak < baseline_peak else (gm, baseline_peak)
             verified_minimum.append((module, peak) if peak < baseline_peak else (gm, baseline_peak))
         return verified_minimum[0]
 
-    log.debug("minimum peak (model) %d, %s in %.2f s", minimum_model_peak, lowest.status, time.perf_counter() - t)
+    log.debug("minimum peak (model) %d, %s in %.2f s", minimum_model_peak, lowest_status, time.perf_counter() - t)
 
     def infeasible() -> InfeasibleBudgetError:
         peak = minimum()[1]
@@ -130,7 +192,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
 
     # 2. The cheapest plan under the budget, re-solved under a tighter internal budget while verification
     #    finds the model optimistic; the verified minimum-peak plan is the last resort.
-    status, solve_time, gap = "trivial", lowest.wall_time, 0.0
+    status, solve_time, gap = "trivial", lowest_time, 0.0
     chosen, module, peak = _keep_all(problem), gm, baseline_peak
     if budget_bytes < baseline_peak:
         found = False
@@ -139,27 +201,29 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
             if internal < minimum_model_peak:
                 break   # tighter than the model's own minimum: the minimum-peak plan is the answer
             hint = greedy.best_under(problem, internal) \
-                or greedy.descend(problem, internal, minimum_recompute)
+                or greedy.descend(problem, internal, lowest_decisions)
             # Verify the hint on the other core while CP-SAT (which releases the GIL) tries to beat it.
             with ThreadPoolExecutor(max_workers=1) as pool:
                 hint_verified = pool.submit(verify, hint)
                 result = cpsat.solve(problem, budget=internal, minimize="cost",
-                                     time_limit=options.solver_time_limit, seed=options.seed, hint=hint,
-                                     progress=progress)
+                                     time_limit=options.solver_time_limit, seed=options.seed, hint=hint[0],
+                                     hint_stash=hint[1], progress=progress)
                 best, status = hint, f"heuristic (cp-sat {result.status})"
-                if result.recompute is not None and predicted_peak(problem, result.recompute) <= internal:
-                    if extra_cost(problem, result.recompute) < extra_cost(problem, hint):
-                        best, status = result.recompute, result.status
-                    elif result.status == "optimal":
-                        status = "optimal"     # the hint costs no more than CP-SAT's proven optimum
+                if result.recompute is not None:
+                    solved = (result.recompute, effective_stash(problem, result.recompute, result.stash))
+                    if predicted_peak(problem, *solved) <= internal:
+                        if extra_cost(problem, *solved) < extra_cost(problem, *hint):
+                            best, status = solved, result.status
+                        elif result.status == "optimal":
+                            status = "optimal"     # the hint costs no more than CP-SAT's proven optimum
                 candidate, candidate_peak = hint_verified.result()
             solve_time += result.wall_time
-            cost = extra_cost(problem, best)
+            cost = extra_cost(problem, *best)
             gap = 0.0 if status == "optimal" else max(0.0, (cost - result.bound) / cost) if cost else 0.0
             if best is not hint:
                 candidate, candidate_peak = verify(best)
             log.debug("cost solve under %d: %s, model peak %d, verified %d", internal, status,
-                      predicted_peak(problem, best), candidate_peak)
+                      predicted_peak(problem, *best), candidate_peak)
             if candidate_peak <= budget_bytes:
                 chosen, module, peak, found = best, candidate, candidate_peak, True
                 break
@@ -168,33 +232,53 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
             module, peak = minimum()
             if peak > budget_bytes:
                 raise infeasible()
-            chosen, status, gap = minimum_recompute, "fallback (minimum-peak plan)", lowest.gap
+            chosen, status, gap = lowest_decisions, "fallback (minimum-peak plan)", lowest_gap
+            if module is gm:
+                chosen = _keep_all(problem)
     minimum_peak = verified_minimum[0][1] if verified_minimum else min(minimum_model_peak, peak)
+    recompute, stash = chosen
 
     plan = Plan(
         budget=budget_bytes, predicted_peak=peak, baseline_peak=baseline_peak, minimum_peak=minimum_peak,
-        model_peak=predicted_peak(problem, chosen), decisions=_decisions(problem, chosen),
-        extra_flops=extra_flops(problem, chosen), baseline_flops=sum(problem.flops.values()),
+        model_peak=predicted_peak(problem, recompute, stash), decisions=_decisions(problem, recompute),
+        extra_flops=extra_flops(problem, recompute), baseline_flops=sum(problem.flops.values()),
         solver_status=status, solver_time=solve_time, solver_gap=gap,
         plan_time=time.perf_counter() - started, actions=options.actions, resident=dict(profile.resident),
         nodes=_node_records(gm, problem), model_name=type(model).__name__, signature=signature,
-        edges=_edges(gm, problem), timeline=_timeline(problem, chosen, profile.resident_bytes),
-        num_forward=problem.num_forward, at_peak=_at_peak(problem, chosen))
+        edges=_edges(gm, problem), timeline=_timeline(problem, recompute, stash, profile.resident_bytes),
+        num_forward=problem.num_forward, at_peak=_at_peak(problem, recompute, stash),
+        stash=_stash_records(gm, problem, stash))
     log.debug("plan: %s", plan.summary())
     return Planned(plan=plan, module=module)
 
 
-def _at_peak(problem: Problem, recompute: dict[str, bool]) -> tuple[str, ...]:
-    total = memory_timeline(problem, recompute)
+def _stash_records(gm: torch.fx.GraphModule, problem: Problem, stash: dict[str, str]) -> dict[str, StashRecord]:
+    profile = step_profile(gm)
+    records = {}
+    for name, action in stash.items():
+        option = problem.stash_option(name, action)
+        tensor = profile.tensors[name]
+        error = "exact" if action.startswith("offload") else CODECS[action.split(":", 1)[1]].expected_error
+        records[name] = StashRecord(action=action, owner=tensor.owner, nbytes=tensor.nbytes,
+                                    stored_bytes=option.stored_bytes, shape=tuple(tensor.shape), dtype=tensor.dtype,
+                                    expected_error=error,
+                                    prefetch_event=option.restored_from - problem.num_forward)
+    return records
+
+
+def _at_peak(problem: Problem, recompute: dict[str, bool], stash: dict[str, str]) -> tuple[str, ...]:
+    total = memory_timeline(problem, recompute, stash)
     position = max(range(len(total)), key=total.__getitem__)
-    held = held_at(problem, recompute, position)
+    held = held_at(problem, recompute, position, stash)
     return tuple(op for op in problem.chain if op in held and not recompute.get(op))
 
 
-def _timeline(problem: Problem, recompute: dict[str, bool], resident: int) -> dict[str, list[int]]:
-    parts = memory_components(problem, recompute)
+def _timeline(problem: Problem, recompute: dict[str, bool], stash: dict[str, str],
+              resident: int) -> dict[str, list[int]]:
+    parts = memory_components(problem, recompute, stash)
     return {"resident": [resident] * problem.num_positions, "fixed": list(parts.fixed), "held": list(parts.held),
-            "recomputed": list(parts.recomputed), "baseline": memory_timeline(problem, {})}
+            "recomputed": list(parts.recomputed), "stashed": list(parts.stashed),
+            "baseline": memory_timeline(problem, {})}
 
 
 def _edges(gm: torch.fx.GraphModule, problem: Problem) -> tuple[tuple[str, str, int], ...]:

@@ -9,7 +9,9 @@ decision changes (parameters, inputs, gradients, activations during their forwar
 calibrated so that the all-keep plan reproduces the measured peak at every position.
 
 Decisions: ``r[op] = 1`` puts op in a recomputed region (regions are maximal runs of consecutive recomputed
-ops in ``chain`` order); see docs/architecture.md for the memory rules.
+ops in ``chain`` order); ``stash[activation] = action`` takes an activation that autograd holds off the
+device (``"offload"``) or keeps it smaller (``"compress:<dtype>"``) between forward and backward, one of
+its :class:`StashOption`; see docs/architecture.md for the memory rules.
 """
 from __future__ import annotations
 
@@ -42,6 +44,30 @@ class Activation:
 
 
 @dataclass(frozen=True)
+class StashOption:
+    """One way to hold an activation between forward and backward other than keeping it on the device.
+
+    Chosen for activation ``a``, it replaces ``a``'s held interval ``[hold_start, save_end]`` by
+    ``stored_bytes`` on the device over ``[stored_from, save_end]`` (a compressed copy; 0 for offload) and
+    the full ``a.nbytes`` over ``[restored_from, save_end]`` (prefetched or decompressed for backward).
+    Valid only while a kept saver holds ``a`` and no recomputed region holds it as an input.
+
+    Attributes:
+        action: ``"offload"``, ``"offload:late"`` (no prefetch) or ``"compress:<dtype>"``.
+        stored_bytes: device bytes of the stored copy.
+        stored_from: position where the stored copy is made (the first saver's forward).
+        restored_from: position from which the full tensor is back on the device.
+        cost: extra cost, in ``Problem.cost`` units (exposed transfer time, casts, a lossiness penalty).
+    """
+
+    action: str
+    stored_bytes: int
+    stored_from: int
+    restored_from: int
+    cost: int
+
+
+@dataclass(frozen=True)
 class Problem:
     """Everything a solver needs; see the module docstring."""
 
@@ -55,6 +81,7 @@ class Problem:
     backward_op: dict[int, str] = field(default_factory=dict)   # backward position → op
     bytes_at_rest: dict[str, int] = field(default_factory=dict)  # resident breakdown, for reports
     region_cost: int = 0                         # overhead of one recomputed region (a checkpoint call)
+    stash_options: dict[str, tuple[StashOption, ...]] = field(default_factory=dict)  # activation → options
 
     @property
     def num_positions(self) -> int:
@@ -63,6 +90,13 @@ class Problem:
     def index(self) -> dict[str, int]:
         """Chain position of each op."""
         return {op: i for i, op in enumerate(self.chain)}
+
+    def stash_option(self, activation: str, action: str | None) -> StashOption | None:
+        """The option ``action`` of ``activation``, or None when it has no such option."""
+        for option in self.stash_options.get(activation, ()):
+            if option.action == action:
+                return option
+        return None
 
     def min_saver(self, activation: Activation) -> str | None:
         """The saver whose backward runs last (earliest in the chain): the recomputed copy lives until then."""

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from autorecompute.plan import Plan
 
 COLORS = {"keep": "#b6d7a8", "recompute": "#f6b26b", "offload": "#9fc5e8", "compress": "#d5a6bd"}
+
+
+def color(action: str) -> str:
+    """Fill color of an action ("compress:bfloat16" → compress; a mix → its first action)."""
+    return COLORS.get(action.split("+")[0].split(":")[0], COLORS["keep"])
 MAX_GROUPS = 24
 GRAPHVIZ_MISSING = ("rendering SVG needs the Graphviz 'dot' program, which is not on PATH. Install it "
                     "(Debian/Ubuntu: apt-get install graphviz; macOS: brew install graphviz; conda: conda install "
@@ -46,7 +51,8 @@ def format_table(plan: "Plan", max_rows_per_group: int = 6) -> str:
     groups: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
         groups[_group_key(row["module"], depth)].append(row)
-    lines = [f"  {'tensor':<26} {'shape':<20} {'dtype':<8} {'bytes':>11} {'action':<9} why"]
+    width = max([9] + [len(r["action"]) for r in rows])
+    lines = [f"  {'tensor':<26} {'shape':<20} {'dtype':<8} {'bytes':>11} {'action':<{width}} why"]
     for module, members in groups.items():
         recomputed = sum(r["held_bytes"] for r in members if r["action"] == "recompute")
         lines.append(f"  [{module}] {len(members)} ops" + (f", {format_bytes(recomputed)} recomputed instead of held"
@@ -55,7 +61,7 @@ def format_table(plan: "Plan", max_rows_per_group: int = 6) -> str:
         for r in sorted(shown, key=members.index):
             shape = "x".join(map(str, r["shape"])) or "-"
             lines.append(f"    {r['name'][:24]:<24} {shape[:20]:<20} {r['dtype'][:8]:<8} "
-                         f"{format_bytes(r['bytes']):>11} {r['action']:<9} {r['why']}")
+                         f"{format_bytes(r['bytes']):>11} {r['action']:<{width}} {r['why']}")
         if len(members) > len(shown):
             lines.append(f"    ... {len(members) - len(shown)} smaller ops")
     return "\n".join(lines)
@@ -82,13 +88,13 @@ def plan_to_dot(plan: "Plan") -> str:
             node = plan.nodes.get(name)
             size = format_bytes(node.nbytes) if node else ""
             lines.append(f"    {_quote(name)} [label={_quote(name + chr(10) + size)}, "
-                         f"fillcolor={_quote(COLORS[plan.decisions[name]])}];")
+                         f"fillcolor={_quote(color(plan.action_of(name)))}];")
         lines.append("  }")
     for src, dst, nbytes in plan.edges:
         lines.append(f"  {_quote(src)} -> {_quote(dst)} [label={_quote(format_bytes(nbytes))}];")
     lines.append("  subgraph cluster_legend { label=\"legend\"; style=dashed;")
     for action in ("keep", "recompute", "offload", "compress"):
-        if action in plan.decisions.values() or action in ("keep", "recompute"):
+        if action in ("keep", "recompute") or plan.count(action):
             lines.append(f"    {_quote('legend: ' + action)} [label={_quote(action)}, fillcolor={_quote(COLORS[action])}];")
     lines.append("  }")
     lines.append("}")
@@ -129,17 +135,19 @@ def plot_memory(plan: "Plan", path: str | None = None, ax=None):
     other = [max(0, f - r) / scale for f, r in zip(t["fixed"], t["resident"])]
     held = [v / scale for v in t["held"]]
     recomputed = [v / scale for v in t["recomputed"]]
+    stashed = [v / scale for v in t.get("stashed") or [0] * len(xs)]
     if ax is None:
         fig, ax = plt.subplots(figsize=(10, 4.8), dpi=120)
-    ax.stackplot(xs, resident, other, held, recomputed, colors=["#cccccc", "#9fc5e8", COLORS["keep"],
-                                                                    COLORS["recompute"]],
+    ax.stackplot(xs, resident, other, held, recomputed, stashed,
+                 colors=["#cccccc", "#e0e0e0", COLORS["keep"], COLORS["recompute"], COLORS["compress"]],
                  labels=["parameters, buffers, inputs", "gradients, temporaries, live activations",
-                         "activations held for backward", "recomputed in backward"], alpha=0.9)
+                         "activations held for backward", "recomputed in backward",
+                         "compressed copies, prefetched and decompressed activations"], alpha=0.9)
     ax.plot(xs, [v / scale for v in t["baseline"]], color="black", lw=1, ls="--", label="unoptimized step")
     ax.axhline(plan.budget / scale, color="#cc0000", lw=1.5, label=f"budget {format_bytes(plan.budget)}")
     ax.axhline(plan.predicted_peak / scale, color="#cc0000", lw=0.8, ls=":",
                label=f"predicted peak {format_bytes(plan.predicted_peak)} (verified)")
-    total = [a + b + c + d for a, b, c, d in zip(resident, other, held, recomputed)]
+    total = [a + b + c + d + e for a, b, c, d, e in zip(resident, other, held, recomputed, stashed)]
     peak_at = max(xs, key=total.__getitem__)
     ax.plot([peak_at], [total[peak_at]], marker="v", color="#cc0000", ms=8)
     ax.axvline(plan.num_forward - 0.5, color="gray", lw=0.8)
@@ -152,7 +160,8 @@ def plot_memory(plan: "Plan", path: str | None = None, ax=None):
     ax.set_ylabel(f"memory ({unit})")
     ax.set_title(f"{plan.model_name or 'model'}: budget {format_bytes(plan.budget)}, "
                  f"{plan.count('recompute')} of {len(plan.decisions)} ops recomputed, "
-                 f"+{100 * plan.extra_flops_ratio:.0f}% FLOPs")
+                 f"+{100 * plan.extra_flops_ratio:.0f}% FLOPs"
+                 + (f", {len(plan.stash)} tensors offloaded/compressed" if plan.stash else ""))
     ax.legend(loc="upper right", fontsize=7, framealpha=0.9)
     if path:
         ax.figure.tight_layout()
@@ -183,7 +192,7 @@ def plan_to_html(plan: "Plan") -> str:
     parts.append("<h2>Decisions</h2><table><tr><th>tensor</th><th>module</th><th>shape</th><th>dtype</th>"
                  "<th>bytes</th><th>action</th><th>why</th></tr>")
     for row in plan.table():
-        parts.append(f"<tr style='background:{COLORS[row['action']]}'><td>{html.escape(row['name'])}</td>"
+        parts.append(f"<tr style='background:{color(row['action'])}'><td>{html.escape(row['name'])}</td>"
                      f"<td>{html.escape(row['module'])}</td><td>{'x'.join(map(str, row['shape']))}</td>"
                      f"<td>{row['dtype']}</td><td>{format_bytes(row['bytes'])}</td><td>{row['action']}</td>"
                      f"<td>{html.escape(row['why'])}</td></tr>")

@@ -12,11 +12,15 @@ import torch
 import torch.fx
 
 from autorecompute.passes.capture import is_mutating
-from autorecompute.passes.profile import node_info, step_profile
-from autorecompute.problem import Activation, Problem
+from autorecompute.passes.profile import TensorInfo, node_info, step_profile
+from autorecompute.problem import Activation, Problem, StashOption
+from autorecompute.runtime.codecs import codec
+from autorecompute.transfer import TransferModel
 
 BYTES_COST_WEIGHT = 8   # cost of recomputing an op: FLOPs + this many per byte it writes (memory-bound ops)
 REGION_COST = 2**22     # cost of one recomputed region: a checkpoint call's overhead, in FLOP-equivalents
+LOSSY_COST = {"bfloat16": 1, "float16": 1, "float8": 2, "int8": 2}   # per byte compressed: prefer exact dtypes
+MAX_PREFETCH_LEAD = 8   # backward positions a prefetch may start before the first use
 
 
 def is_transparent(node: torch.fx.Node) -> bool:
@@ -36,13 +40,20 @@ def is_recomputable(node: torch.fx.Node, output_tensors: set[str]) -> bool:
     return True
 
 
-def build_problem(gm: torch.fx.GraphModule) -> Problem:
-    """The planning problem of a graph that :func:`~autorecompute.passes.profile.profile_step` annotated."""
+def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: TransferModel | None = None,
+                  compress_dtypes: tuple[str, ...] = ()) -> Problem:
+    """The planning problem of a graph that :func:`~autorecompute.passes.profile.profile_step` annotated.
+
+    Args:
+        recompute: whether ops may be recomputed.
+        offload: the transfer model when activations may be offloaded (None: they may not).
+        compress_dtypes: the dtypes activations may be compressed to (see ``runtime/codecs.py``).
+    """
     profile = step_profile(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
     outputs = {name for name, t in profile.tensors.items() if t.is_output}
     chain = tuple(op for op in profile.order if not is_transparent(nodes[op]))
-    recomputable = frozenset(op for op in chain if is_recomputable(nodes[op], outputs))
+    recomputable = frozenset(op for op in chain if recompute and is_recomputable(nodes[op], outputs))
     num_forward = len(profile.order)
     num_positions = num_forward + len(profile.backward_events)
     last = num_positions - 1
@@ -70,15 +81,76 @@ def build_problem(gm: torch.fx.GraphModule) -> Problem:
 
     measured = [profile.resident_bytes + p for p in profile.forward_peaks]
     measured += [profile.resident_bytes + p for p in profile.backward_peaks]
+    cost = {op: 1 + node_info(nodes[op]).flops + BYTES_COST_WEIGHT * _written_bytes(profile, nodes[op])
+            for op in chain}
+    backward_op = {num_forward + i: op for i, op in enumerate(profile.backward_events) if op in in_chain}
+    options = {}
+    if offload is not None or compress_dtypes:
+        work = [cost.get(op, 0) for op in profile.order]
+        work += [2 * cost.get(backward_op.get(p, ""), 0) for p in range(num_forward, num_positions)]
+        for act in activations:
+            # graph values, and tensors an op saves without returning them (stashed around that op)
+            stashable = (act.savers and act.save_end >= act.hold_start and act.owner in in_chain
+                         and (act.name in nodes or act.savers == (act.owner,)))
+            if stashable:
+                found = stash_options(profile.tensors[act.name], act, work, num_forward,
+                                      [node_info(nodes[s]).position for s in act.savers if s in nodes],
+                                      [backward_position(s) for s in act.savers], last, offload, compress_dtypes)
+                if found:
+                    options[act.name] = found
     problem = Problem(
-        chain=chain, recomputable=recomputable,
-        cost={op: 1 + node_info(nodes[op]).flops + BYTES_COST_WEIGHT * _written_bytes(profile, nodes[op])
-              for op in chain},
-        flops={op: node_info(nodes[op]).flops for op in chain},
+        chain=chain, recomputable=recomputable, cost=cost, flops={op: node_info(nodes[op]).flops for op in chain},
         activations=tuple(activations), fixed=tuple([0] * num_positions), num_forward=num_forward,
-        backward_op={num_forward + i: op for i, op in enumerate(profile.backward_events) if op in in_chain},
-        bytes_at_rest=dict(profile.resident), region_cost=REGION_COST)
+        backward_op=backward_op, bytes_at_rest=dict(profile.resident), region_cost=REGION_COST,
+        stash_options=options)
     return calibrate(problem, measured)
+
+
+def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forward: int, saver_positions: list[int],
+                  saver_backward: list[int | None], last: int, offload: TransferModel | None,
+                  compress_dtypes: tuple[str, ...]) -> tuple[StashOption, ...]:
+    """The ways ``act`` may be stashed, with their cost.
+
+    Offload: the copy out runs from the first save to the last forward use and the copy back from the
+    prefetch point to the first backward use; only the transfer time that the compute in those windows
+    (``work``, cost units per position) cannot hide is cost, plus a fixed overhead per transfer. The
+    prefetch point is the latest that hides the copy back (at most ``MAX_PREFETCH_LEAD`` positions ahead).
+    ``offload:late`` skips the prefetch: the copy back starts at the first use (less memory, more time).
+    Compress: the casts' bytes, plus a small penalty per byte for the loss of precision.
+    """
+    pack = min(saver_positions, default=act.hold_start - 1)
+    first_use = min((last if p is None else p) for p in saver_backward) if saver_backward else act.save_end
+    first_use = max(first_use, num_forward)
+    options = []
+    if offload is not None:
+        write = act.nbytes / offload.write_bytes_per_second
+        hidden_write = offload.compute_seconds(sum(work[pack + 1:act.hold_start]))
+        read = act.nbytes / offload.read_bytes_per_second
+        restored_from, hidden_read = first_use, 0.0
+        while restored_from > max(num_forward, first_use - MAX_PREFETCH_LEAD) and hidden_read < read:
+            restored_from -= 1
+            hidden_read += offload.compute_seconds(work[restored_from])
+        exposed_write = max(0.0, write - hidden_write) + 2 * offload.per_transfer_seconds
+        options.append(StashOption("offload", stored_bytes=0, stored_from=act.hold_start, restored_from=restored_from,
+                                   cost=1 + offload.seconds_to_cost(exposed_write + max(0.0, read - hidden_read))))
+        if restored_from < first_use:
+            # the same without prefetch: less memory in backward, the whole copy back exposed
+            options.append(StashOption("offload:late", stored_bytes=0, stored_from=act.hold_start,
+                                       restored_from=first_use,
+                                       cost=1 + offload.seconds_to_cost(exposed_write + read)))
+    dtype = getattr(torch, tensor.dtype, None)
+    numel = 1
+    for size in tensor.shape:
+        numel *= size
+    whole = dtype is not None and numel * dtype.itemsize == act.nbytes
+    for name in compress_dtypes:
+        chosen = codec(name)
+        if whole and chosen.accepts(dtype):
+            stored = chosen.stored_bytes(tensor.shape)
+            cast_cost = BYTES_COST_WEIGHT * (stored + act.nbytes) + LOSSY_COST[name] * act.nbytes
+            options.append(StashOption(f"compress:{name}", stored_bytes=stored, stored_from=pack,
+                                       restored_from=first_use, cost=1 + cast_cost))
+    return tuple(options)
 
 
 def _written_bytes(profile, node: torch.fx.Node) -> int:

@@ -16,6 +16,8 @@ import torch.fx
 from autorecompute.runtime.regions import CheckpointRegion, batch_norm_once
 
 _BATCH_NORM = torch.ops.aten.batch_norm.default
+REGION_MEMBERS = "autorecompute_region"    # node.meta key of a region call: names of the ops it runs
+SOURCE = "autorecompute_source"            # node.meta key of a region output: the op it stands for
 
 
 def find_regions(graph: torch.fx.Graph, decisions: Mapping[str, str]) -> list[list[torch.fx.Node]]:
@@ -114,12 +116,14 @@ def _outline(gm: torch.fx.GraphModule, region: list[torch.fx.Node], name: str) -
 
     with gm.graph.inserting_after(region[-1]):
         call = gm.graph.call_module(name, tuple(inputs))
+    call.meta[REGION_MEMBERS] = [node.name for node in region]
     replacements = []
     with gm.graph.inserting_after(call):
         for i, node in enumerate(outputs):
             replacements.append((node, gm.graph.call_function(operator.getitem, (call, i))))
     for node, item in replacements:
         item.meta = dict(node.meta)
+        item.meta[SOURCE] = node.meta.get(SOURCE, node.name)
         node.replace_all_uses_with(item, delete_user_cb=lambda user: user not in members)
     for node in reversed(region):
         gm.graph.erase_node(node)

@@ -208,6 +208,19 @@ ZOO: dict[str, Callable[[], Case]] = {
 ALL: dict[str, Callable[[], Case]] = {**ZOO, "vgg": vgg}   # the benchmarks add a VGG-style net
 
 
+def gpt_wide_batch() -> Case:
+    """The GPT-style decoder at batch 16: activations dominate the step, as when a model does not fit."""
+    return Case("gpt_wide_batch", GPT(), (torch.randint(0, 256, (16, 64)),))
+
+
+def resnet_wide_batch() -> Case:
+    """The ResNet-style CNN at batch 32 (activations dominate)."""
+    return Case("resnet_wide_batch", ResNet(), (torch.randn(32, 3, 32, 32),))
+
+
+ACTIVATION_HEAVY: dict[str, Callable[[], Case]] = {"gpt": gpt_wide_batch, "resnet": resnet_wide_batch}
+
+
 def make(name: str, seed: int = 0) -> Case:
     """Builds model ``name`` with ``torch.manual_seed(seed)`` (same seed → same weights and inputs)."""
     torch.manual_seed(seed)

@@ -1,6 +1,6 @@
 """Acceptance of the core pipeline on ten real architectures, measured on real tensors.
 
-For each model, at budgets = baseline peak, minimum peak and two points between: the measured peak (live
+With the default actions (recompute and offload, both exact). For each model, at budgets = baseline peak, minimum peak and two points between: the measured peak (live
 tensor-storage tracker, forward and backward) stays under the budget, outputs and gradients are bitwise
 equal to eager with the same seed, BatchNorm buffers match eager's, and the plan's predicted peak is within
 5% of the measured one.
@@ -16,9 +16,12 @@ from conftest import SOLVER_TIME
 from harness import assert_bitwise_equal, measured_step
 
 
-def minimum_budget(model, case) -> int:
+RECOMPUTE_ONLY = ("recompute",)
+
+
+def minimum_budget(model, case, actions=autorecompute.planner.DEFAULT_ACTIONS) -> int:
     with pytest.raises(autorecompute.InfeasibleBudgetError) as info:
-        autorecompute.plan(model, *case.args, budget=1, solver_time_limit=SOLVER_TIME, **case.kwargs)
+        autorecompute.plan(model, *case.args, budget=1, solver_time_limit=SOLVER_TIME, actions=actions, **case.kwargs)
     return info.value.minimum
 
 
@@ -28,6 +31,7 @@ def test_measured_peak_within_budget_and_bitwise_gradients(name):
     model = case.model
     initial = copy.deepcopy(model.state_dict())
     eager = measured_step(model, model, case.args, case.kwargs, seed=1)
+    model.zero_grad(set_to_none=True)     # plan the step as it is measured: no gradients yet
     baseline = autorecompute.plan(model, *case.args, budget=1.0, solver_time_limit=SOLVER_TIME,
                                   **case.kwargs).baseline_peak
     minimum = minimum_budget(model, case)
@@ -45,7 +49,7 @@ def test_measured_peak_within_budget_and_bitwise_gradients(name):
         assert_bitwise_equal(eager, result)
         for key, value in eager.buffers.items():
             assert torch.equal(value, result.buffers[key]), f"{name}: buffer {key} differs from eager"
-        recomputed.append(plan.count("recompute"))
+        recomputed.append(plan.count("recompute") + len(plan.stash))
     assert recomputed[0] == 0 and recomputed[1] > 0
 
 
@@ -55,7 +59,8 @@ def test_batchnorm_running_stats_updated_exactly_once():
     initial = copy.deepcopy(model.state_dict())
     eager = measured_step(model, model, case.args, case.kwargs)
     model.load_state_dict(initial)
-    compiled = autorecompute.compile(model, budget=minimum_budget(model, case), solver_time_limit=SOLVER_TIME)
+    compiled = autorecompute.compile(model, budget=minimum_budget(model, case, RECOMPUTE_ONLY),
+                                     solver_time_limit=SOLVER_TIME, actions=RECOMPUTE_ONLY)
     model.load_state_dict(initial)
     result = measured_step(compiled, model, case.args, case.kwargs)
     recomputed_bn = [n for n, a in compiled.plan.decisions.items() if a == "recompute" and "batch_norm" in n]
@@ -71,7 +76,8 @@ def test_batchnorm_running_stats_updated_exactly_once():
 def test_dropout_masks_are_replayed():
     case = models.make("gpt")
     model = case.model
-    compiled = autorecompute.compile(model, budget=minimum_budget(model, case), solver_time_limit=SOLVER_TIME)
+    compiled = autorecompute.compile(model, budget=minimum_budget(model, case, RECOMPUTE_ONLY),
+                                     solver_time_limit=SOLVER_TIME, actions=RECOMPUTE_ONLY)
     for seed in (3, 4):
         eager = measured_step(model, model, case.args, case.kwargs, seed=seed)
         result = measured_step(compiled, model, case.args, case.kwargs, seed=seed)

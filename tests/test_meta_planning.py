@@ -15,5 +15,5 @@ def test_gpt2_small_plans_on_meta():
     assert plan.predicted_peak <= plan.budget < plan.baseline_peak
     assert plan.baseline_peak > 10 * 2**30              # ≈ 26 GiB unoptimized: far beyond this machine
     assert plan.solver_status and 0.0 <= plan.solver_gap <= 1.0
-    assert plan.count("recompute") > 0
+    assert plan.count("recompute") + len(plan.stash) > 0
     assert all(p.device.type == "meta" for p in model.parameters())

@@ -6,7 +6,7 @@ import pytest
 
 import autorecompute
 import models
-from autorecompute.plan import Plan
+from autorecompute.plan import SCHEMA_VERSION, Plan
 from autorecompute.report import GRAPHVIZ_MISSING
 from conftest import SOLVER_TIME
 
@@ -22,7 +22,7 @@ def plan(request):
 def test_json_round_trips_to_an_equal_plan(plan, tmp_path):
     path = plan.save(str(tmp_path / "plan.json"))
     text = open(path).read()
-    assert json.loads(text)["schema_version"] == 1
+    assert json.loads(text)["schema_version"] == SCHEMA_VERSION
     assert Plan.from_json(text) == plan
 
 
@@ -79,7 +79,13 @@ def test_printed_plan_has_summary_and_a_folded_table(plan):
     assert len(rows) == len(plan.decisions)
     assert {"name", "module", "shape", "dtype", "bytes", "action", "why"} <= set(rows[0])
     by_action = plan.bytes_by_action()
-    assert set(by_action) <= {"keep", "recompute"}
+    assert set(by_action) <= {"keep", "recompute", "offload", "offload:late"}
+    # every held byte is accounted for once: kept, recomputed or moved off the device
+    assert sum(by_action.values()) == sum(r["held_bytes"] for r in rows)
+    actions = {r["name"]: r["action"] for r in rows}
+    for record in plan.stash.values():
+        assert record.action in actions[record.owner]
+        assert record.action in text
 
 
 def test_saving_an_unknown_format_is_an_error(plan, tmp_path):

@@ -123,7 +123,7 @@ def test_cpsat_agrees_with_the_memory_model_on_random_problems(problem):
 
 def test_hint_is_kept_as_a_solution():
     p = chain_problem(6)
-    hint = greedy.lowest_peak(p)
+    hint, _ = greedy.lowest_peak(p)
     result = cpsat.solve(p, budget=predicted_peak(p, hint), minimize="cost", time_limit=2, hint=hint)
     assert result.recompute is not None
     assert extra_cost(p, result.recompute) <= extra_cost(p, hint)
@@ -137,7 +137,7 @@ def test_infeasible_budget_reports_no_solution():
 
 def test_segment_heuristic_fits_what_it_claims():
     p = chain_problem(8)
-    for budget in sorted({predicted_peak(p, r) for r in greedy.candidates(p)}):
+    for budget in sorted({predicted_peak(p, *plan) for plan in greedy.candidates(p)}):
         plan = greedy.cheapest_under(p, budget)
-        assert plan is not None and predicted_peak(p, plan) <= budget
-        assert predicted_peak(p, greedy.descend(p, budget, plan)) <= budget
+        assert plan is not None and predicted_peak(p, *plan) <= budget
+        assert predicted_peak(p, *greedy.descend(p, budget, plan)) <= budget

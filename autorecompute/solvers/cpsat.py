@@ -9,7 +9,7 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from ortools.sat.python import cp_model
@@ -29,6 +29,7 @@ class SolverResult:
 
     Attributes:
         recompute: op → bool, or None when no solution was found.
+        stash: activation → stash action, for the activations stashed (empty when none).
         status: "optimal", "feasible", "infeasible" or "unknown" (time limit before any solution).
         objective: value of the objective: recompute cost (``Problem.cost`` units), or bytes for the
             peak objective.
@@ -43,6 +44,7 @@ class SolverResult:
     bound: float
     gap: float
     wall_time: float
+    stash: dict[str, str] = field(default_factory=dict)
 
 
 class _Progress(cp_model.CpSolverSolutionCallback):
@@ -66,12 +68,15 @@ class _Progress(cp_model.CpSolverSolutionCallback):
             sys.stderr.write("\n")
 
 
-def _complete_hint(model: cp_model.CpModel, r: dict, hint: Mapping[str, bool], seconds: float, seed: int) -> None:
+def _complete_hint(model: cp_model.CpModel, r: dict, hint: Mapping[str, bool], x: dict,
+                   hint_stash: Mapping[str, str], seconds: float, seed: int) -> None:
     """Hints every variable, not just the decisions: CP-SAT keeps a complete feasible hint as its first
     solution, while a partial one is often lost in presolve. The completion is a solve with the decisions
     fixed to the hint (fast: propagation does the work)."""
     for op, var in r.items():
         model.add_hint(var, bool(hint.get(op, False)))
+    for (name, action), var in x.items():
+        model.add_hint(var, hint_stash.get(name) == action)
     completion = cp_model.CpSolver()
     completion.parameters.fix_variables_to_their_hinted_value = True
     completion.parameters.max_deterministic_time = seconds * DTIME_PER_SECOND
@@ -93,8 +98,8 @@ def byte_unit(problem: Problem) -> int:
 
 
 def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost", time_limit: float = 5.0,
-          seed: int = 0, hint: Mapping[str, bool] | None = None, workers: int = 2,
-          progress: bool = False) -> SolverResult:
+          seed: int = 0, hint: Mapping[str, bool] | None = None, hint_stash: Mapping[str, str] | None = None,
+          workers: int = 2, progress: bool = False) -> SolverResult:
     """Solves ``problem``.
 
     Args:
@@ -103,7 +108,7 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
             (then least cost), ``budget`` optional.
         time_limit: seconds; the best solution found is returned when it is hit.
         seed: random seed (same problem and seed → same plan).
-        hint: a starting solution (op → bool).
+        hint: a starting solution (op → bool); ``hint_stash`` its stash choices (activation → action).
         workers: search workers, interleaved so the search is deterministic.
         progress: show the best objective, bound and elapsed time on stderr once the solve passes 1 s.
     """
@@ -156,6 +161,11 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
         starts.setdefault(start, []).append(units * literal)
         ends.setdefault(end, []).append(units * literal)
 
+    # Variables: x[a, action] = 1 if activation a is stashed that way (offloaded or compressed).
+    x = {(act.name, option.action): model.new_bool_var(f"stash[{act.name},{option.action}]")
+         for act in problem.activations if act.savers and act.save_end >= act.hold_start
+         for option in problem.stash_options.get(act.name, ())}
+
     for act in problem.activations:
         # Region-input reasons: a recomputed reader outside the owner's region holds t as a region input.
         input_reasons = []
@@ -186,7 +196,20 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
                 for k in saver_kept:
                     model.add_implication(k, held)
                 model.add_implication(as_input, held)
-            add_piece(act.hold_start, act.save_end, act.nbytes, held)
+            options = [(option, x[(act.name, option.action)]) for option in problem.stash_options.get(act.name, ())
+                       if (act.name, option.action) in x]
+            if options:
+                # at most one way to stash a
+                model.add_at_most_one(var for _, var in options)
+                for option, var in options:
+                    # stashing needs a kept saver (autograd packs it) and no region holding a as an input
+                    model.add_implication(var, ~as_input)
+                    if not any(isinstance(k, int) for k in saver_kept):
+                        model.add_bool_or([~var, *saver_kept])
+                    add_piece(option.stored_from, act.save_end, option.stored_bytes, var)
+                    add_piece(option.restored_from, act.save_end, act.nbytes, var)
+            # on the device from the last forward use to the last saver's backward, unless stashed
+            add_piece(act.hold_start, act.save_end, act.nbytes, held - sum(var for _, var in options))
         add_piece(max(act.hold_start, act.save_end + 1), act.read_end, act.nbytes, as_input)
 
     # Rematerialized bytes at the backward of op j: A[j] ≥ A[j-1] + new ones, when j is recomputed.
@@ -238,16 +261,20 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
             starts_at[op] = start
         previous = r.get(op, 0)
 
-    # Costs scaled to at most 2**30 in total (each at least 1: recomputing is never free).
-    total = sum(problem.cost[op] for op in r) + problem.region_cost * len(starts_at) or 1
-    scaled = {op: max(1, -(-problem.cost[op] * 2**30 // total)) for op in r}
+    # Costs scaled to at most 2**30 in total (each at least 1: recomputing and stashing are never free).
+    stash_cost = {key: problem.stash_option(*key).cost for key in x}
+    total = (sum(problem.cost[op] for op in r) + problem.region_cost * len(starts_at)
+             + sum(stash_cost.values())) or 1
+    decisions = {**r, **x}
+    unscaled = {**{op: problem.cost[op] for op in r}, **stash_cost}
+    scaled = {key: max(1, -(-unscaled[key] * 2**30 // total)) for key in decisions}
     region_scaled = -(-problem.region_cost * 2**30 // total) if problem.region_cost else 0
-    cost = sum(scaled[op] * var for op, var in r.items()) + region_scaled * sum(starts_at.values())
+    cost = sum(scaled[key] * var for key, var in decisions.items()) + region_scaled * sum(starts_at.values())
     if minimize == "peak":
         # least peak first, least cost among equal peaks (cost folded below one byte unit)
-        tie = {op: max(1, scaled[op] >> 20) for op in r}
+        tie = {key: max(1, scaled[key] >> 20) for key in decisions}
         tie_weight = sum(tie.values()) + 1
-        model.minimize(peak * tie_weight + sum(tie[op] * var for op, var in r.items()))
+        model.minimize(peak * tie_weight + sum(tie[key] * var for key, var in decisions.items()))
     elif minimize == "cost":
         if budget is None:
             raise ValueError("minimize='cost' needs a budget")
@@ -257,7 +284,7 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
 
     started = time.perf_counter()
     if hint:
-        _complete_hint(model, r, hint, max(0.5, min(1.0, time_limit / 2)), seed)
+        _complete_hint(model, r, hint, x, hint_stash or {}, max(0.5, min(1.0, time_limit / 2)), seed)
 
     solver = cp_model.CpSolver()
     # The deterministic limit (CP-SAT work units; DTIME_PER_SECOND converts) ends the search,
@@ -278,10 +305,11 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return SolverResult(None, name, math.inf, 0.0, math.inf, wall)
     recompute = {op: bool(solver.value(var)) for op, var in r.items()}
+    stash = {name: action for (name, action), var in x.items() if solver.value(var)}
     # back to the problem's units: cost, or bytes for the peak objective
     objective = solver.objective_value * total / 2**30
     bound = solver.best_objective_bound * total / 2**30
     if minimize == "peak":
         objective, bound = solver.value(peak) * unit, (bound // tie_weight) * unit
     gap = 0.0 if status == cp_model.OPTIMAL else (objective - bound) / max(abs(objective), 1e-9)
-    return SolverResult(recompute, name, objective, bound, max(gap, 0.0), wall)
+    return SolverResult(recompute, name, objective, bound, max(gap, 0.0), wall, stash)

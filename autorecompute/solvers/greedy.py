@@ -1,13 +1,19 @@
 """Segment heuristic: √N-style checkpoints placed by bytes, scored with the memory model.
 
 Splits the chain into ``k`` segments of about equal held bytes; each segment's last op is kept (the
-checkpoint), the rest recomputed. Tries every ``k`` and returns the best plan for the goal. Used as the
-CP-SAT hint, and as the fallback when the solver finds nothing in time.
+checkpoint), the rest recomputed. Tries every ``k``, each alone and with every held activation stashed
+(offloaded or compressed, where the problem allows it), and returns the best plan for the goal; a local
+search then undoes the most expensive decisions while the plan fits. Used as the CP-SAT hint, and as the
+fallback when the solver finds nothing in time.
+
+A plan here is a pair ``(recompute, stash)``: op → bool and activation → stash action.
 """
 from __future__ import annotations
 
-from autorecompute.memory_model import extra_cost, predicted_peak
+from autorecompute.memory_model import effective_stash, extra_cost, predicted_peak
 from autorecompute.problem import Problem
+
+Decisions = tuple[dict[str, bool], dict[str, str]]
 
 
 def segment_plan(problem: Problem, segments: int) -> dict[str, bool]:
@@ -32,61 +38,87 @@ def segment_plan(problem: Problem, segments: int) -> dict[str, bool]:
     return recompute
 
 
-def candidates(problem: Problem, max_segments: int = 64) -> list[dict[str, bool]]:
+def stash_all(problem: Problem, recompute: dict[str, bool], prefer: str = "memory") -> dict[str, str]:
+    """Every held activation stashed: the way that leaves the fewest bytes on the device over time
+    (``prefer="memory"``), or the cheapest way (``prefer="cost"``)."""
+    choices = {}
+    for act in problem.activations:
+        options = problem.stash_options.get(act.name, ())
+        if options:
+            def device_bytes(o):
+                return o.stored_bytes * (act.save_end - o.stored_from + 1) + act.nbytes * (act.save_end - o.restored_from + 1)
+            key = (lambda o: (device_bytes(o), o.cost)) if prefer == "memory" else (lambda o: (o.cost, device_bytes(o)))
+            choices[act.name] = min(options, key=key).action
+    return effective_stash(problem, recompute, choices)
+
+
+def candidates(problem: Problem, max_segments: int = 64) -> list[Decisions]:
     keep_all = {op: False for op in problem.recomputable}
     n = max(1, min(max_segments, len(problem.recomputable)))
-    return [keep_all] + [segment_plan(problem, k) for k in range(1, n + 1)]
+    plans = [keep_all] + [segment_plan(problem, k) for k in range(1, n + 1)]
+    with_stash = [(r, stash_all(problem, r, prefer)) for r in plans for prefer in ("memory", "cost")
+                  ] if problem.stash_options else []
+    return [(r, {}) for r in plans] + [(r, s) for r, s in with_stash if s]
 
 
 _SCORED: dict[int, tuple[Problem, list]] = {}
 
 
-def scored_candidates(problem: Problem) -> list[tuple[dict[str, bool], int, int]]:
+def scored_candidates(problem: Problem) -> list[tuple[Decisions, int, int]]:
     """``(plan, predicted peak, cost)`` of every candidate, computed once per problem."""
     cached = _SCORED.get(id(problem))
     if cached is None or cached[0] is not problem:
-        scored = [(r, predicted_peak(problem, r), extra_cost(problem, r)) for r in candidates(problem)]
+        scored = [((r, s), predicted_peak(problem, r, s), extra_cost(problem, r, s)) for r, s in candidates(problem)]
         _SCORED.clear()          # one problem at a time: do not keep old graphs alive
         cached = _SCORED[id(problem)] = (problem, scored)
     return cached[1]
 
 
-def lowest_peak(problem: Problem) -> dict[str, bool]:
+def lowest_peak(problem: Problem) -> Decisions:
     """The candidate with the lowest predicted peak (then least cost)."""
     return min(scored_candidates(problem), key=lambda s: (s[1], s[2]))[0]
 
 
-def cheapest_under(problem: Problem, budget: int) -> dict[str, bool] | None:
+def cheapest_under(problem: Problem, budget: int) -> Decisions | None:
     """The cheapest candidate whose predicted peak fits ``budget``, or None."""
     fitting = [s for s in scored_candidates(problem) if s[1] <= budget]
     return min(fitting, key=lambda s: s[2])[0] if fitting else None
 
 
-def descend(problem: Problem, budget: int, start: dict[str, bool], max_tries: int = 160) -> dict[str, bool]:
-    """Local search from a plan that fits: un-recompute ops, most expensive first, while the plan fits.
+def descend(problem: Problem, budget: int, start: Decisions, max_tries: int = 160) -> Decisions:
+    """Local search from a plan that fits: un-recompute ops and un-stash activations, most expensive first,
+    while the plan fits.
 
-    Only the ``max_tries`` most expensive ops are tried: they carry nearly all the cost, and each try is a
-    full evaluation of the memory model.
+    Only the ``max_tries`` most expensive decisions are tried: they carry nearly all the cost, and each try
+    is a full evaluation of the memory model.
     """
-    current = dict(start)
-    expensive = sorted((op for op, on in current.items() if on), key=lambda op: -problem.cost[op])[:max_tries]
-    for op in expensive:
-        current[op] = False
-        if predicted_peak(problem, current) > budget:
-            current[op] = True
-    return current
+    recompute, stash = dict(start[0]), dict(start[1])
+    moves = [(problem.cost[op], "recompute", op) for op, on in recompute.items() if on]
+    moves += [(problem.stash_option(name, action).cost, "stash", name) for name, action in stash.items()]
+    for _, kind, name in sorted(moves, key=lambda m: (-m[0], m[1], m[2]))[:max_tries]:
+        if kind == "recompute":
+            recompute[name] = False
+            if predicted_peak(problem, recompute, stash) > budget:
+                recompute[name] = True
+        else:
+            action = stash.pop(name)
+            if predicted_peak(problem, recompute, stash) > budget:
+                stash[name] = action
+    return recompute, effective_stash(problem, recompute, stash)
 
 
-def best_under(problem: Problem, budget: int, work: int = 400_000) -> dict[str, bool] | None:
-    """Multi-start local search: :func:`descend` from the cheapest fitting segment plans — as many starts
+def best_under(problem: Problem, budget: int, work: int = 400_000) -> Decisions | None:
+    """Multi-start local search: :func:`descend` from the cheapest fitting candidates — as many starts
     as ``work`` allows (evaluations × problem size: a count, not a clock, so the result is reproducible)
-    — and the cheapest result. None when no segment plan fits."""
-    fitting = [r for r, peak, cost in sorted(scored_candidates(problem), key=lambda s: s[2]) if peak <= budget]
-    per_start = min(160, len(problem.recomputable)) * (problem.num_positions + len(problem.activations))
+    — and the cheapest result. None when no candidate fits."""
+    fitting = [plan for plan, peak, cost in sorted(scored_candidates(problem), key=lambda s: s[2]) if peak <= budget]
+    moves = min(160, len(problem.recomputable) + len(problem.stash_options))
+    per_start = moves * (problem.num_positions + len(problem.activations))
     starts = max(1, min(6, work // max(1, per_start)))
-    best = None
+    best, best_cost = None, None
     for start in fitting[:starts]:
         plan = descend(problem, budget, start)
-        if best is None or extra_cost(problem, plan) < extra_cost(problem, best):
-            best = plan
+        cost = extra_cost(problem, *plan)
+        if best is None or cost < best_cost:
+            best, best_cost = plan, cost
     return best

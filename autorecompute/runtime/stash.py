@@ -1,0 +1,333 @@
+"""Runtime of the offload and compress actions: saved-tensor hooks driven by nodes of the rewritten graph.
+
+The rewrite (``passes/rewrite_stash.py``) inserts, for every activation the plan stashes:
+
+* ``stash_offload(runtime, t, name)`` / ``stash_compress(runtime, t, name, dtype)`` right after ``t`` is
+  made: from then on, whenever autograd saves ``t`` (or a view of it) for a kept op's backward, the saved
+  copy is the stash — written to the offload tier, or encoded smaller — instead of ``t`` itself;
+* ``stash_release(handle)`` right after ``t``'s last forward use: waits for the copy out (it ran while
+  the forward computed) and drops the device reference, so ``t``'s memory is free from here;
+* ``stash_prefetch(handle, trigger)`` right after ``trigger`` is made: when backward reaches
+  ``trigger``'s backward, the copy back starts, ahead of the first op that needs ``t``.
+
+The hooks are active while :meth:`StashRuntime.active` is (the compiled module enters it around every
+call). Saved tensors are matched by storage, the way autograd shares them, so one copy serves every op
+that saves ``t`` or a view of it. The restored tensor lives until the last such op's backward is done.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Iterator
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from autorecompute.runtime.codecs import codec
+from autorecompute.runtime.tiers import DiskTier, HostTier, PinnedPool, SimulatedTier, Transfer, check_writable
+
+DEFAULT_PINNED_BYTES = 8 << 30   # pinned host memory the CUDA tier may hold before it falls back to disk
+
+
+def _is_simulated(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, FakeTensor) or tensor.device.type == "meta"
+
+
+class _Stash:
+    """One stashed storage: its stored copy, and the restored tensor while backward needs it."""
+
+    def __init__(self, runtime: "StashRuntime", name: str, tensor: torch.Tensor, action: str, tier=None,
+                 codec_name: str | None = None):
+        storage = tensor.untyped_storage()
+        self.key = storage._cdata
+        self.name, self.action, self.tier = name, action, tier
+        self.codec = codec(codec_name) if codec_name else None
+        self.dtype, self.device = tensor.dtype, tensor.device
+        self.numel = storage.nbytes() // tensor.element_size()
+        # the whole storage as one flat tensor: saved views of it are rebuilt over the restored copy
+        self.flat: torch.Tensor | None = torch.as_strided(tensor.detach(), (self.numel,), (1,), 0)
+        self.shape = tuple(tensor.shape) if tensor.numel() == self.numel and tensor.is_contiguous() else None
+        self.stored = None            # tier handle (offload) or encoded tensors (compress)
+        self.out: Transfer | None = None
+        self.restored: torch.Tensor | None = None
+        self.back: Transfer | None = None
+        self.refs = 0
+        self.started = False
+        self.runtime = weakref.ref(runtime)
+
+    # forward ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Makes the stored copy (at the first save); the forward keeps using the original meanwhile."""
+        if self.started:
+            return
+        self.started = True
+        with torch.no_grad():
+            if self.codec is not None:
+                source = self.flat.view(self.shape) if self.shape is not None else self.flat
+                self.stored = self.codec.encode(source)
+                self.flat = None           # the original is the forward's alone from here
+            else:
+                self.stored, self.out = self.tier.store(self.flat, self.name)
+
+    def release_device(self) -> None:
+        """After the last forward use: the copy out is complete, the device copy may go."""
+        if self.out is not None:
+            self.out.wait()
+            self.out = None
+        self.flat = None
+
+    # backward --------------------------------------------------------------------------------------
+    def prefetch(self) -> None:
+        """Starts bringing an offloaded tensor back (allocated now, on the compute stream)."""
+        if self.restored is not None or not self.started or self.refs == 0 or self.codec is not None:
+            return
+        self.restored = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        self.back = self.tier.load(self.stored, self.restored, self.name)
+
+    def restore(self, size, stride, offset) -> torch.Tensor:
+        if self.flat is not None:      # not released yet (a backward inside the forward): still on device
+            return torch.as_strided(self.flat, size, stride, offset)
+        if self.restored is None:
+            if self.codec is not None:
+                with torch.no_grad():
+                    decoded = self.codec.decode(self.stored, self.dtype)
+                self.restored = decoded.reshape(-1)
+            else:
+                self.prefetch()
+        if self.back is not None:
+            self.back.wait()
+            self.back = None
+        return torch.as_strided(self.restored, size, stride, offset)
+
+    def drop_ref(self) -> None:
+        """A saved reference died (its op's backward is done): the last one frees everything."""
+        self.refs -= 1
+        if self.refs == 0:
+            self.restored = None
+            if self.out is not None:
+                try:
+                    self.out.wait()    # never delete a file a write is still filling
+                except OSError:
+                    pass               # the forward already raised it (stash_release); nothing to keep
+                self.out = None
+            if self.tier is not None and self.started:
+                self.tier.release(self.stored)
+            self.stored, self.started = None, False
+
+
+class _SavedRef:
+    """What autograd keeps instead of a saved tensor: the tensor itself, or a view into a stash."""
+
+    __slots__ = ("tensor", "stash", "view", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.stash, self.view = tensor, None, None
+
+    def attach(self, stash: _Stash) -> None:
+        t = self.tensor
+        self.view = (tuple(t.size()), tuple(t.stride()), t.storage_offset())
+        self.stash, self.tensor = stash, None
+        stash.refs += 1
+        weakref.finalize(self, stash.drop_ref)
+        stash.start()
+
+    def unpack(self) -> torch.Tensor:
+        return self.tensor if self.stash is None else self.stash.restore(*self.view)
+
+
+class _Step:
+    """Hook state of one forward call."""
+
+    def __init__(self, runtime: "StashRuntime"):
+        self.runtime = runtime
+        self.stashes: dict[int, _Stash] = {}                        # storage key → stash (registered)
+        self.saved: dict[int, list[weakref.ref]] = {}               # storage key → refs saved before that
+        self.scope: list[tuple[int, _SavedRef]] | None = None       # saves of the op in a stash scope
+
+    def pack(self, tensor: torch.Tensor):
+        key = tensor.untyped_storage()._cdata
+        stash = self.stashes.get(key)
+        if stash is None and tensor.is_leaf and self.scope is None:
+            return tensor          # parameters and inputs: never stashed, not worth a wrapper
+        ref = _SavedRef(tensor)
+        if stash is not None:
+            ref.attach(stash)
+        else:
+            self.saved.setdefault(key, []).append(weakref.ref(ref))
+            if self.scope is not None:
+                self.scope.append((key, ref))
+        return ref
+
+    @staticmethod
+    def unpack(packed):
+        return packed.unpack() if isinstance(packed, _SavedRef) else packed
+
+    def register(self, stash: _Stash) -> None:
+        self.stashes[stash.key] = stash
+        for ref in self.saved.pop(stash.key, []):      # saved by the op that made it (e.g. relu saves its result)
+            saved = ref()
+            if saved is not None and saved.stash is None:
+                saved.attach(stash)
+
+    def forget(self, stash: _Stash) -> None:
+        """After the last forward use: the storage may die and its address be reused by another tensor."""
+        if self.stashes.get(stash.key) is stash:
+            del self.stashes[stash.key]
+
+
+class StashRuntime(torch.nn.Module):
+    """The offload tiers and the hook state of a rewritten module (its ``stash_runtime`` submodule).
+
+    Args:
+        offload_dir: directory of the disk tier (None: the system temporary directory); checked writable
+            at once.
+        pinned_bytes: pinned host memory the CUDA tier may use before it falls back to the disk tier.
+    """
+
+    def __init__(self, offload_dir: str | None = None, pinned_bytes: int = DEFAULT_PINNED_BYTES):
+        super().__init__()
+        if offload_dir is not None:
+            check_writable(offload_dir)
+        self.offload_dir, self.pinned_bytes = offload_dir, pinned_bytes
+        self._tiers: dict[str, object] = {}
+        self._local = threading.local()
+
+    def tier(self, tensor: torch.Tensor):
+        if _is_simulated(tensor):
+            return SimulatedTier()
+        kind = tensor.device.type
+        if kind not in self._tiers:
+            disk = self._tiers.get("cpu") or DiskTier(self.offload_dir)
+            self._tiers["cpu"] = disk
+            if kind == "cuda":
+                self._tiers["cuda"] = HostTier(PinnedPool(self.pinned_bytes), disk)
+        return self._tiers[kind]
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Saved-tensor hooks for one forward call of the rewritten module."""
+        step = _Step(self)
+        previous = getattr(self._local, "step", None)
+        self._local.step = step
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack):
+                yield
+        finally:
+            self._local.step = previous
+
+    def step(self) -> _Step:
+        step = getattr(self._local, "step", None)
+        if step is None:
+            raise RuntimeError("a stash node ran outside StashRuntime.active(): call the compiled module, or "
+                               "run the graph module inside `with gm.stash_runtime.active():`")
+        return step
+
+
+def _register(runtime: StashRuntime, tensor: torch.Tensor, name: str, action: str, codec_name=None) -> _Stash:
+    step = runtime.step()
+    if not torch.is_grad_enabled() or not isinstance(tensor, torch.Tensor):
+        return None
+    tier = None if codec_name else runtime.tier(tensor)
+    stash = _Stash(runtime, name, tensor, action, tier=tier, codec_name=codec_name)
+    step.register(stash)
+    return stash
+
+
+def stash_offload(runtime: StashRuntime, tensor: torch.Tensor, name: str) -> _Stash | None:
+    """Graph node: from here, what autograd saves of ``tensor`` is offloaded (device → host → disk)."""
+    return _register(runtime, tensor, name, "offload")
+
+
+def stash_compress(runtime: StashRuntime, tensor: torch.Tensor, name: str, dtype: str) -> _Stash | None:
+    """Graph node (a cast): from here, what autograd saves of ``tensor`` is kept encoded as ``dtype``."""
+    return _register(runtime, tensor, name, f"compress:{dtype}", codec_name=dtype)
+
+
+def stash_release(runtime: StashRuntime, handle: _Stash | None) -> None:
+    """Graph node after the last forward use: the copy out is waited for and the device copy dropped."""
+    if handle is None:
+        return
+    runtime.step().forget(handle)
+    handle.release_device()
+
+
+def stash_scope_begin(runtime: StashRuntime, *inputs: torch.Tensor) -> frozenset[int]:
+    """Graph node before an op whose internal saved tensors (a dropout mask, a reshaped copy, layer-norm
+    statistics) are stashed: its saves are collected until :func:`stash_scope_end`."""
+    step = runtime.step()
+    step.scope = []
+    return frozenset(t.untyped_storage()._cdata for t in inputs if isinstance(t, torch.Tensor))
+
+
+def stash_scope_end(runtime: StashRuntime, input_keys: frozenset[int], output, internal: tuple[str, ...],
+                    actions: dict[str, str]) -> dict[str, _Stash]:
+    """Graph node after that op: its saved tensors that are neither inputs nor outputs are, in the order
+    autograd saved them, the op's ``internal`` tensors (the profile's names); those in ``actions`` are
+    stashed at once, and an offloaded one leaves the device when its copy is written."""
+    step = runtime.step()
+    saves, step.scope = step.scope or [], None
+    outputs = output if isinstance(output, (tuple, list)) else (output,)
+    skip = set(input_keys) | {t.untyped_storage()._cdata for t in outputs if isinstance(t, torch.Tensor)}
+    order: list[int] = []
+    refs: dict[int, list[_SavedRef]] = {}
+    for key, ref in saves:
+        if key in skip:
+            continue
+        if key not in refs:
+            order.append(key)
+        refs.setdefault(key, []).append(ref)
+    stashes: dict[str, _Stash] = {}
+    if not torch.is_grad_enabled():
+        return stashes
+    for name, key in zip(internal, order):
+        action = actions.get(name)
+        if action is None:
+            continue
+        first = refs[key][0]
+        source = first.tensor
+        codec_name = action.split(":", 1)[1] if action.startswith("compress:") else None
+        stash = _Stash(runtime, name, source, action, tier=None if codec_name else runtime.tier(source),
+                       codec_name=codec_name)
+        for ref in refs[key]:
+            if ref.stash is None:
+                ref.attach(stash)
+        step.saved.pop(key, None)
+        stash.release_device()
+        stashes[name] = stash
+    return stashes
+
+
+def stash_prefetch(handle: _Stash | dict | None, trigger: torch.Tensor, name: str | None = None) -> None:
+    """Graph node: the copy back of ``handle`` (or of ``handle[name]``, for a stash scope's tensors) starts
+    when backward reaches ``trigger``'s backward."""
+    if isinstance(handle, dict):
+        handle = handle.get(name)
+    if handle is None or handle.codec is not None:
+        return
+    grad_fn = getattr(trigger, "grad_fn", None)
+    if grad_fn is None:
+        return         # no backward to hang it on: the first unpack loads it
+    ref = weakref.ref(handle)
+
+    def start(_grad_outputs):
+        stash = ref()
+        if stash is not None and stash.refs > 0:
+            stash.prefetch()
+    grad_fn.register_prehook(start)
+
+
+class StashedModule(torch.nn.Module):
+    """A rewritten GraphModule with stash nodes, run with its runtime's hooks active.
+
+    ``graph_module`` is the GraphModule itself (``print(m.graph_module.code)`` shows the stash nodes).
+    """
+
+    def __init__(self, graph_module: torch.fx.GraphModule):
+        super().__init__()
+        self.graph_module = graph_module
+
+    def forward(self, *args, **kwargs):
+        with self.graph_module.stash_runtime.active():
+            return self.graph_module(*args, **kwargs)

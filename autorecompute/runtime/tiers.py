@@ -1,0 +1,208 @@
+"""Where offloaded activations go: the host (CUDA: pinned memory, side stream) and the disk (any device).
+
+A tier copies a flat device tensor out (:meth:`store`) and back into a device buffer (:meth:`load`)
+without blocking the compute stream; both return a :class:`Transfer` to wait on. Errors in a background
+copy (a full disk) are raised by :meth:`Transfer.wait` as :class:`~autorecompute.errors.OffloadError`
+naming the tensor: a step never continues with lost data.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from autorecompute.budget import format_bytes
+from autorecompute.errors import OffloadError
+
+
+class Transfer:
+    """A copy in flight; :meth:`wait` blocks until it is done (and raises what it raised)."""
+
+    def __init__(self, future: Future | None = None, event=None, what: str = ""):
+        self.future, self.event, self.what = future, event, what
+
+    def wait(self) -> None:
+        if self.future is not None:
+            error = self.future.exception()
+            if error is not None:
+                raise error
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)   # the compute stream waits, the host does not
+
+
+def check_writable(directory: str) -> str:
+    """Creates ``directory`` if needed and checks a file can be written there, before any training step."""
+    path = os.path.abspath(os.path.expanduser(directory))
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".autorecompute-check-"):
+            pass
+    except OSError as error:
+        raise OffloadError(f"offload_dir={directory!r} cannot be written ({error.strerror or error}). "
+                           f"Fix: pass offload_dir= a writable directory with room for the offloaded "
+                           f"activations (see plan.bytes_by_action()), or leave it None for the system "
+                           f"temporary directory.") from error
+    return path
+
+
+class DiskTier:
+    """Files in a private temporary directory (removed when the tier is closed or collected), written and
+    read by one background thread, so the forward and backward keep computing meanwhile."""
+
+    def __init__(self, directory: str | None = None):
+        root = check_writable(directory) if directory else None
+        self.directory = tempfile.mkdtemp(prefix="autorecompute-offload-", dir=root)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autorecompute-disk")
+        self._count = 0
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _remove_tree, self.directory, self._pool)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _path(self, name: str) -> str:
+        with self._lock:
+            self._count += 1
+            return os.path.join(self.directory, f"{self._count:06d}-{name.replace('/', '_')[:80]}.bin")
+
+    def store(self, flat: torch.Tensor, name: str) -> tuple[object, Transfer]:
+        """Starts writing ``flat`` (a contiguous 1-D tensor) to a new file; returns (file, transfer)."""
+        path = self._path(name)
+        data = flat.detach().cpu() if flat.device.type != "cpu" else flat.detach()
+        nbytes = data.numel() * data.element_size()
+
+        def write() -> None:
+            try:
+                with open(path, "wb") as f:
+                    written = f.write(memoryview(data.view(torch.uint8).numpy()))
+                    f.flush()
+                if written != nbytes:
+                    raise OSError(f"wrote {written} of {nbytes} bytes")
+            except OSError as error:
+                _unlink(path)
+                raise OffloadError(
+                    f"offloading activation {name!r} ({format_bytes(nbytes)}) to {path} failed: "
+                    f"{error.strerror or error}. The step is stopped so no activation is lost. Fix: free "
+                    f"space there, pass offload_dir= another disk, or allow fewer offloads "
+                    f"(actions=('recompute',)).") from error
+
+        return path, Transfer(self._pool.submit(write), what=name)
+
+    def load(self, stored: object, out: torch.Tensor, name: str) -> Transfer:
+        """Starts reading the file ``stored`` into ``out`` (allocated by the caller on the device)."""
+        path = str(stored)
+        target = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+
+        def read() -> None:
+            with open(path, "rb") as f:
+                got = f.readinto(memoryview(target.view(torch.uint8).numpy()))
+            if got != target.numel() * target.element_size():
+                raise OffloadError(f"reading offloaded activation {name!r} from {path}: got {got} bytes of "
+                                   f"{target.numel() * target.element_size()} (was the file changed?)")
+            if target is not out:
+                out.copy_(target, non_blocking=False)
+        return Transfer(self._pool.submit(read), what=name)
+
+    def release(self, stored: object) -> None:
+        _unlink(str(stored))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _remove_tree(directory: str, pool: ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=True)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class PinnedPool:
+    """A bounded, reused pool of pinned host buffers (by exact byte size)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.in_use = capacity, 0
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A pinned uint8 buffer of ``nbytes``, or None when the pool is full."""
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                self.in_use += nbytes
+                return free.pop()
+            reserved = self.in_use + sum(n * len(b) for n, b in self._free.items())
+            if reserved + nbytes > self.capacity:
+                return None
+            self.in_use += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self.in_use -= buffer.numel()
+            self._free.setdefault(buffer.numel(), []).append(buffer)
+
+
+class HostTier:
+    """CUDA → pinned host memory: copies on a side stream issued after the tensor's last forward use and
+    prefetched on it before backward needs them; the compute stream waits on events, never on the host.
+    When the pinned pool is full the tensor goes one level down, to ``disk``."""
+
+    def __init__(self, pool: PinnedPool, disk: DiskTier):
+        self.pool, self.disk = pool, disk
+        self.stream = torch.cuda.Stream()
+
+    def store(self, flat: torch.Tensor, name: str) -> tuple[object, Transfer]:
+        nbytes = flat.numel() * flat.element_size()
+        buffer = self.pool.take(nbytes)
+        if buffer is None:
+            stored, transfer = self.disk.store(flat, name)
+            return ("disk", stored), transfer
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            buffer.copy_(flat.view(torch.uint8), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        flat.record_stream(self.stream)     # the allocator keeps the block until the copy is done
+        return ("host", buffer), Transfer(event=event, what=name)
+
+    def load(self, stored: object, out: torch.Tensor, name: str) -> Transfer:
+        kind, where = stored
+        if kind == "disk":
+            return self.disk.load(where, out, name)
+        self.stream.wait_stream(torch.cuda.current_stream())   # ``out`` was allocated on the compute stream
+        with torch.cuda.stream(self.stream):
+            out.view(torch.uint8).copy_(where, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        out.record_stream(self.stream)
+        return Transfer(event=event, what=name)
+
+    def release(self, stored: object) -> None:
+        kind, where = stored
+        if kind == "disk":
+            self.disk.release(where)
+        else:
+            self.pool.give(where)
+
+
+class SimulatedTier:
+    """For fake and meta tensors (planning, verification): moves nothing, allocates what a real tier would
+    on the device, so the measured memory of a step is the real one."""
+
+    def store(self, flat: torch.Tensor, name: str) -> tuple[object, Transfer]:
+        return None, Transfer(what=name)
+
+    def load(self, stored: object, out: torch.Tensor, name: str) -> Transfer:
+        return Transfer(what=name)
+
+    def release(self, stored: object) -> None:
+        pass

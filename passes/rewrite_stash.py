@@ -1,0 +1,134 @@
+"""Rewrite: (GraphModule, stash decisions) → GraphModule whose saved activations are offloaded or compressed.
+
+Runs after :func:`~autorecompute.passes.rewrite_recompute.rewrite_recompute` and decides nothing: for each
+activation the plan stashes it inserts, in the outer graph (see ``runtime/stash.py`` for what they do),
+
+* ``stash_offload`` / ``stash_compress`` (the cast) right after the value is made,
+* ``stash_release`` right after the node that holds its last forward use,
+* ``stash_prefetch`` (offload only) after the value whose backward is the first at or after the plan's
+  prefetch point — the copy back starts when backward gets there.
+
+Tensors an op saves for its backward without returning them (a dropout mask, a reshaped matmul operand;
+named ``<op>.saved<k>`` by the profile) are stashed by ``stash_scope_begin`` / ``stash_scope_end`` around
+that op instead of the first two nodes.
+
+The nodes call into a :class:`~autorecompute.runtime.stash.StashRuntime` submodule ``stash_runtime``, so
+``print(gm.code)`` shows every offload, prefetch and cast.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Mapping
+
+import torch
+import torch.fx
+
+from autorecompute.passes.profile import NodeInfo, step_profile
+from autorecompute.passes.rewrite_recompute import REGION_MEMBERS, SOURCE
+from autorecompute.runtime.stash import (StashRuntime, stash_compress, stash_offload, stash_prefetch,
+                                         stash_release, stash_scope_begin, stash_scope_end)
+
+RUNTIME = "stash_runtime"
+log = logging.getLogger("autorecompute")
+
+
+def _visible_view(outer: list[torch.fx.Node], name: str) -> torch.fx.Node | None:
+    """An outer value that is a view of tensor ``name`` (same storage), when ``name`` itself is not one."""
+    for node in outer:
+        info = _info(node)
+        # a region output that allocates nothing is an alias: mutating ops are never recomputed
+        alias = getattr(node.target, "is_view", False) or SOURCE in node.meta
+        if info is not None and not info.creates and name in info.reads and alias:
+            return node
+    return None
+
+
+def _info(node: torch.fx.Node) -> NodeInfo | None:
+    info = node.meta.get("autorecompute")
+    return info if isinstance(info, NodeInfo) else None
+
+
+def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_at: Mapping[str, int],
+                  runtime: StashRuntime) -> torch.fx.GraphModule:
+    """Rewrites ``gm`` in place (and returns it) so the activations in ``stash`` are offloaded or compressed.
+
+    Args:
+        stash: tensor name → ``"offload"`` or ``"compress:<dtype>"`` (the plan's choices).
+        prefetch_at: tensor name → backward event from which an offloaded tensor may be back on the device.
+        runtime: the tiers; added as the submodule ``stash_runtime``.
+    """
+    if not stash:
+        return gm
+    profile = step_profile(gm)
+    order = {name: i for i, name in enumerate(profile.order)}
+    graph = gm.graph
+    outer = [n for n in graph.nodes if n.op in ("call_function", "call_module")]
+    value_of: dict[str, torch.fx.Node] = {}       # original node name → outer node carrying its value
+    runs_at: dict[int, torch.fx.Node] = {}        # forward position → outer node that runs it
+    for node in outer:
+        value_of[node.meta.get(SOURCE, node.name)] = node
+        for member in node.meta.get(REGION_MEMBERS, [node.meta.get(SOURCE, node.name)]):
+            if member in order:
+                runs_at.setdefault(order[member], node)
+    triggers = sorted(((info.backward_event, node) for node in outer
+                       if (info := _info(node)) is not None and info.backward_event is not None
+                       and isinstance(node.meta.get("val"), torch.Tensor)), key=lambda e: e[0])
+    position = {node: i for i, node in enumerate(graph.nodes)}
+
+    gm.add_submodule(RUNTIME, runtime)
+    first = next(iter(n for n in graph.nodes if n.op not in ("placeholder",)))
+    with graph.inserting_before(first):
+        runtime_node = graph.get_attr(RUNTIME)
+    def prefetch(name: str, handle: torch.fx.Node, value: torch.fx.Node, *extra) -> None:
+        if stash[name] != "offload" or name not in prefetch_at:
+            return
+        trigger = next((node for event, node in triggers if event >= prefetch_at[name]), None)
+        if trigger is not None:
+            after = trigger if position.get(trigger, -1) > position.get(value, -1) else handle
+            with graph.inserting_after(after):
+                graph.call_function(stash_prefetch, (handle, trigger, *extra))
+
+    internal_by_op: dict[str, list[str]] = {}
+    for name in stash:
+        if ".saved" in name:
+            internal_by_op.setdefault(profile.tensors[name].owner, []).append(name)
+    for op, names in internal_by_op.items():
+        node = value_of.get(op)
+        info = _info(node) if node is not None else None
+        if info is None:
+            raise ValueError(f"op {op!r} of stashed tensors {names} is not in the graph (plan and graph disagree)")
+        internal = tuple(c for c in info.creates if ".saved" in c)
+        inputs = tuple(arg for arg in node.all_input_nodes)
+        with graph.inserting_before(node):
+            begin = graph.call_function(stash_scope_begin, (runtime_node, *inputs))
+        begin.name = f"stash_scope_{node.name}"
+        with graph.inserting_after(node):
+            end = graph.call_function(stash_scope_end, (runtime_node, begin, node, internal,
+                                                        {n: stash[n] for n in names}))
+        end.name = f"stashed_{node.name}"
+        for name in names:
+            prefetch(name, end, node, name)
+
+    for name in sorted((n for n in stash if ".saved" not in n), key=lambda n: profile.tensors[n].birth):
+        action = stash[name]
+        value = value_of.get(name) or _visible_view(outer, name)
+        tensor = profile.tensors[name]
+        if value is None:
+            # made and viewed inside a recomputed region: no outer value shares its storage, so it stays
+            # on the device (the verification measures that; the planner tightens if it matters)
+            log.debug("stash of %s skipped: no value of the outer graph holds its storage", name)
+            continue
+        with graph.inserting_after(value):
+            if action.startswith("offload"):
+                handle = graph.call_function(stash_offload, (runtime_node, value, name))
+            else:
+                handle = graph.call_function(stash_compress, (runtime_node, value, name, action.split(":", 1)[1]))
+        handle.name = f"{action.split(':')[0]}_{value.name}"   # offload_x, compress_x
+        last_use = runs_at.get(tensor.last_forward_use, value)
+        after = last_use if position.get(last_use, -1) > position.get(value, -1) else handle
+        with graph.inserting_after(after):
+            graph.call_function(stash_release, (runtime_node, handle))
+        prefetch(name, handle, value)
+    graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,151 @@
+"""The offload and compress choices in the memory model and CP-SAT: brute force on tiny problems, and the
+cheapest mix on hand-built cases (offload free when compute hides the copy, recompute cheaper otherwise)."""
+import itertools
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autorecompute.memory_model import effective_stash, extra_cost, memory_timeline, predicted_peak
+from autorecompute.passes.build_problem import stash_options
+from autorecompute.passes.profile import TensorInfo
+from autorecompute.problem import Activation, Problem, StashOption
+from autorecompute.solvers import cpsat, greedy
+from autorecompute.transfer import TransferModel
+
+KIB = 1024
+
+
+def all_decisions(problem):
+    ops = sorted(problem.recomputable)
+    names = sorted(problem.stash_options)
+    for bits in itertools.product([False, True], repeat=len(ops)):
+        recompute = dict(zip(ops, bits))
+        choices = [[None] + [o.action for o in problem.stash_options[n]] for n in names]
+        for picked in itertools.product(*choices):
+            yield recompute, {n: a for n, a in zip(names, picked) if a is not None}
+
+
+def two_layer(offload_cost: int, recompute_cost: int) -> Problem:
+    """op0 → op1 → op2; op0's output (100 KiB) is saved by op1 and held from position 2 to op1's backward.
+    Offloading it keeps nothing on the device until its prefetch at position 4."""
+    chain = ("op0", "op1", "op2")
+    act = Activation("t0", owner="op0", nbytes=100 * KIB, hold_start=2, savers=("op1",), readers=("op1",),
+                     save_end=4, read_end=4)
+    out = Activation("t1", owner="op1", nbytes=100 * KIB, hold_start=3, savers=("op2",), readers=("op2",),
+                     save_end=3, read_end=3)
+    return Problem(chain=chain, recomputable=frozenset({"op0", "op1"}),
+                   cost={"op0": recompute_cost, "op1": recompute_cost, "op2": 1}, flops={"op0": 10, "op1": 10},
+                   activations=(act, out), fixed=(0, 0, 0, 0, 0, 0), num_forward=3,
+                   backward_op={3: "op2", 4: "op1", 5: "op0"},
+                   stash_options={"t0": (StashOption("offload", 0, 2, 4, offload_cost),)})
+
+
+def test_stashing_replaces_the_held_interval():
+    p = two_layer(offload_cost=5, recompute_cost=100)
+    assert memory_timeline(p, {}) == [0, 0, 100 * KIB, 200 * KIB, 100 * KIB, 0]
+    # offloaded: off the device at 2-3, back (prefetched) at 4
+    assert memory_timeline(p, {}, {"t0": "offload"}) == [0, 0, 0, 100 * KIB, 100 * KIB, 0]
+
+
+def test_a_stash_needs_a_kept_saver():
+    p = two_layer(offload_cost=5, recompute_cost=100)
+    # op1 recomputed alone: t0 is its region's input, held by the checkpoint — offloading it does nothing
+    assert effective_stash(p, {"op1": True}, {"t0": "offload"}) == {}
+    assert extra_cost(p, {"op1": True}, {"t0": "offload"}) == extra_cost(p, {"op1": True})
+
+
+def test_offload_chosen_when_the_copy_is_hidden():
+    p = two_layer(offload_cost=5, recompute_cost=100)
+    budget = 100 * KIB
+    result = cpsat.solve(p, budget=budget, minimize="cost", time_limit=5)
+    assert result.status == "optimal"
+    assert result.stash == {"t0": "offload"} and not any(result.recompute.values())
+    best = min(extra_cost(p, r, s) for r, s in all_decisions(p) if predicted_peak(p, r, s) <= budget)
+    assert extra_cost(p, result.recompute, result.stash) == best == 5
+
+
+def test_recompute_chosen_when_it_is_cheaper():
+    p = two_layer(offload_cost=10_000, recompute_cost=3)
+    budget = 100 * KIB
+    result = cpsat.solve(p, budget=budget, minimize="cost", time_limit=5)
+    assert result.status == "optimal" and result.stash == {}
+    assert any(result.recompute.values())
+    best = min(extra_cost(p, r, s) for r, s in all_decisions(p) if predicted_peak(p, r, s) <= budget)
+    assert extra_cost(p, result.recompute, result.stash) == best
+
+
+def test_offload_cost_is_the_transfer_compute_cannot_hide():
+    """A long matmul between the save and the last forward use, and before the first backward use, hides
+    the whole copy: only the fixed per-transfer overhead is left. Without compute the copy is exposed."""
+    transfer = TransferModel(flops_per_second=1e9, write_bytes_per_second=1e9, read_bytes_per_second=1e9,
+                             per_transfer_seconds=0.0)
+    tensor = TensorInfo("t", "op0", 1_000_000, (250_000,), "float32", birth=0, last_forward_use=2)
+    act = Activation("t", "op0", 1_000_000, hold_start=3, savers=("op1",), readers=("op1",), save_end=6, read_end=6)
+    busy = [0, 0, 10**7, 0, 0, 10**7, 0]      # 10 ms of compute inside both windows: the 1 ms copies hide
+    idle = [0] * 7
+    hidden = stash_options(tensor, act, busy, num_forward=4, saver_positions=[1], saver_backward=[6], last=6,
+                           offload=transfer, compress_dtypes=())
+    exposed = stash_options(tensor, act, idle, num_forward=4, saver_positions=[1], saver_backward=[6], last=6,
+                            offload=transfer, compress_dtypes=())
+    assert hidden[0].action == "offload" and hidden[0].cost == 1
+    assert exposed[0].cost == 1 + 2_000_000      # 1 ms out + 1 ms back at 1 GFLOP/s
+    compress = stash_options(tensor, act, idle, 4, [1], [6], 6, None, ("bfloat16", "int8"))
+    assert [o.action for o in compress] == ["compress:bfloat16", "compress:int8"]
+    assert compress[0].stored_bytes == 500_000 and compress[1].stored_bytes == 250_000 + 4
+
+
+@st.composite
+def random_problems(draw):
+    n = draw(st.integers(3, 4))
+    chain = tuple(f"op{i}" for i in range(n))
+    order = list(range(n))[::-1]
+    bpos = {f"op{j}": n + k for k, j in enumerate(order)}
+    acts, options = [], {}
+    for i in range(n):
+        for k in range(draw(st.integers(0, 2))):
+            readers = tuple(sorted(draw(st.sets(st.sampled_from(chain[i:]), max_size=2))))
+            savers = tuple(sorted(draw(st.sets(st.sampled_from(chain[i:]), max_size=2))))
+            last_use = max([i] + [int(r[2:]) for r in readers])
+            save_end = max([bpos[s] for s in savers], default=-1)
+            read_end = max([save_end] + [bpos[r] for r in readers if r != f"op{i}"])
+            name = f"t{i}_{k}"
+            nbytes = draw(st.integers(1, 8)) * 1000
+            acts.append(Activation(name=name, owner=f"op{i}", nbytes=nbytes, hold_start=last_use + 1, savers=savers,
+                                   readers=tuple(r for r in readers if r != f"op{i}"), save_end=save_end,
+                                   read_end=read_end))
+            if savers and save_end >= last_use + 1 and draw(st.booleans()):
+                first_use = min(bpos[s] for s in savers)
+                opts = [StashOption("offload", 0, last_use + 1, draw(st.integers(max(n, first_use - 2), first_use)),
+                                    draw(st.integers(1, 9)))]
+                if draw(st.booleans()):
+                    opts.append(StashOption("compress:int8", nbytes // 4, min(int(s[2:]) for s in savers),
+                                            first_use, draw(st.integers(1, 9))))
+                options[name] = tuple(opts)
+    recomputable = frozenset(draw(st.sets(st.sampled_from(chain), min_size=1)))
+    positions = 2 * n
+    fixed = tuple(draw(st.lists(st.integers(0, 5000), min_size=positions, max_size=positions)))
+    return Problem(chain=chain, recomputable=recomputable, cost={op: draw(st.integers(1, 9)) for op in chain},
+                   flops={op: 1 for op in chain}, activations=tuple(acts), fixed=fixed, num_forward=n,
+                   backward_op={p: op for op, p in bpos.items()}, region_cost=draw(st.sampled_from([0, 3])),
+                   stash_options=options)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_problems())
+def test_cpsat_agrees_with_brute_force_over_all_four_actions(problem):
+    """Keep / recompute / offload / compress: CP-SAT's optimum equals brute force over the memory model."""
+    decisions = list(all_decisions(problem))
+    peaks = [predicted_peak(problem, r, s) for r, s in decisions]
+    lowest = cpsat.solve(problem, minimize="peak", time_limit=5)
+    assert lowest.status == "optimal"
+    assert predicted_peak(problem, lowest.recompute, lowest.stash) == min(peaks)
+    budget = sorted(peaks)[len(peaks) // 3]
+    cheapest = cpsat.solve(problem, budget=budget, minimize="cost", time_limit=5)
+    best = min(extra_cost(problem, r, s) for (r, s), p in zip(decisions, peaks) if p <= budget)
+    assert cheapest.status == "optimal"
+    assert predicted_peak(problem, cheapest.recompute, cheapest.stash) <= budget
+    assert extra_cost(problem, cheapest.recompute, cheapest.stash) == best
+    # the heuristic's plans are real plans: what they claim is what the memory model says
+    hint = greedy.best_under(problem, budget)
+    if hint is not None:
+        assert predicted_peak(problem, *hint) <= budget
