@@ -40,6 +40,9 @@ from autorecompute.solvers.baselines import sqrt_n_plan  # noqa: E402
 from harness import measured_step  # noqa: E402
 
 SEQUENTIAL_BLOCKS = {"gpt": "blocks", "mlp": "layers", "resnet": "layers", "vgg": "features"}
+RECOMPUTE = ("recompute",)
+OFFLOAD = ("recompute", "offload")
+COMPRESS = ("compress",)
 HF = {"gpt2", "bert", "llama"}
 FULL = ["gpt", "gpt2", "bert", "llama", "resnet", "unet", "mlp", "vgg"]
 QUICK = ["gpt", "mlp", "vgg"]
@@ -84,42 +87,54 @@ def sqrt_n_module(case):
     return rewrite_recompute(clone_graph_module(gm), _decisions(problem, sqrt_n_plan(problem)))
 
 
-def minimum_peak(case, limit: float) -> int:
+def minimum_peak(case, limit: float, actions: tuple[str, ...] = RECOMPUTE) -> int:
     try:
-        autorecompute.plan(case.model, *case.args, budget=1, solver_time_limit=limit, **case.kwargs)
+        autorecompute.plan(case.model, *case.args, budget=1, solver_time_limit=limit, actions=actions, **case.kwargs)
     except autorecompute.InfeasibleBudgetError as error:
         return error.minimum
     raise AssertionError("a 1-byte budget cannot fit")
 
 
+def one_sample(case):
+    """The case cut to its first sample (batch 1): max batch is searched in samples, not base batches."""
+    def first(t):
+        return t[:1] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
+    return models.Case(case.name, case.model, tuple(first(a) for a in case.args),
+                       {n: first(v) for n, v in case.kwargs.items()})
+
+
 def max_batch(case, budget: int, limit: float) -> dict:
-    """Largest batch multiple k for which each method's fake-measured peak fits ``budget``."""
+    """Largest batch (in samples) whose fake-measured peak fits ``budget``, per method; each autorecompute
+    answer is checked with one real measured step at that batch."""
+    sample = one_sample(case)
+
     def eager_peak(k):
-        c = scaled(case, k)
+        c = scaled(sample, k)
         return autorecompute.plan(c.model, *c.args, budget=1.0, solver_time_limit=limit, **c.kwargs).baseline_peak
 
     def sqrt_peak(k):
-        c = scaled(case, k)
+        c = scaled(sample, k)
         return fake_step_memory(sqrt_n_module(c), c.args, c.kwargs).peak
 
-    def ours_peak(k):
-        return minimum_peak(scaled(case, k), limit)
+    def ours(actions):
+        return lambda k: minimum_peak(scaled(sample, k), limit, actions)
 
     found = {}
-    for name, peak_of in (("eager", eager_peak), ("sqrt_n", sqrt_peak), ("autorecompute", ours_peak)):
-        low, high = 0, 1
-        while peak_of(high) <= budget and high < 64:
+    for name, peak_of in (("eager", eager_peak), ("sqrt_n", sqrt_peak), ("autorecompute", ours(RECOMPUTE)),
+                          ("autorecompute+offload", ours(OFFLOAD))):
+        low, high = 0, max(1, found.get("eager", 1))
+        while peak_of(high) <= budget and high < 4096:
             low, high = high, high * 2
         while high - low > 1:
             mid = (low + high) // 2
             low, high = (mid, high) if peak_of(mid) <= budget else (low, mid)
         found[name] = low
-    # verify the autorecompute answer with one real step
-    k = found["autorecompute"]
-    if k:
-        c = scaled(case, k)
-        compiled = autorecompute.compile(c.model, budget=budget, solver_time_limit=limit)
-        found["verified_peak"] = measured_step(compiled, c.model, c.args, c.kwargs).peak
+    for name, actions in (("autorecompute", RECOMPUTE), ("autorecompute+offload", OFFLOAD)):
+        k = found[name]
+        if k:     # one real step at that batch
+            c = scaled(sample, k)
+            compiled = autorecompute.compile(c.model, budget=budget, solver_time_limit=limit, actions=actions)
+            found[f"{name} verified_peak"] = measured_step(compiled, c.model, c.args, c.kwargs).peak
     found["budget"] = budget
     return found
 
@@ -192,24 +207,31 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
         del hf
 
     reset()
-    minimum = minimum_peak(case, limit)
     baseline = eager.peak
-    points = 3 if quick else 5
-    budgets = [minimum + (baseline - minimum) * i // (points - 1) for i in range(points)]
     reference_sqrt = [r for r in reference_sqrt if r is not None]
     sqrt_peak = min(r["peak"] for r in reference_sqrt)
-    for label, budget in [*[("autorecompute", b) for b in budgets], ("autorecompute @ sqrt_n peak", sqrt_peak)]:
-        reset()
-        started = time.perf_counter()
-        compiled = autorecompute.compile(model, budget=budget, solver_time_limit=limit)
-        try:
-            compiled.prepare(*case.args, **case.kwargs)
-        except autorecompute.InfeasibleBudgetError:
-            print(f"  {label}: budget {budget} infeasible (minimum {minimum})")
-            continue
-        record(label, compiled, budget=budget, plan_time=time.perf_counter() - started,
-               status=compiled.plan.solver_status)
-    summary = {"model": name, "eager_peak": eager.peak, "minimum_peak": minimum, "sqrt_n_peak": sqrt_peak}
+    minimum = {}
+    for tag, actions, points in (("autorecompute", RECOMPUTE, 3 if quick else 5),
+                                 ("autorecompute+offload", OFFLOAD, 2 if quick else 3),
+                                 ("autorecompute compress:bfloat16 (lossy)", COMPRESS, 1)):
+        minimum[tag] = low = minimum_peak(case, limit, actions)
+        budgets = [low + (baseline - low) * i // max(1, points - 1) for i in range(points)] if points > 1 else [low]
+        extra = [(f"{tag} @ sqrt_n peak", sqrt_peak)] if actions != COMPRESS else []
+        for label, budget in [*[(tag, b) for b in budgets], *extra]:
+            reset()
+            started = time.perf_counter()
+            compiled = autorecompute.compile(model, budget=budget, solver_time_limit=limit, actions=actions)
+            try:
+                compiled.prepare(*case.args, **case.kwargs)
+            except autorecompute.InfeasibleBudgetError:
+                print(f"  {label}: budget {budget} infeasible (minimum {low})")
+                continue
+            plan = compiled.plan
+            record(label, compiled, budget=budget, plan_time=time.perf_counter() - started,
+                   status=plan.solver_status + (f"; {len(plan.stash)} stashed" if plan.stash else ""))
+    summary = {"model": name, "eager_peak": eager.peak, "minimum_peak": minimum["autorecompute"],
+               "minimum_peak_offload": minimum["autorecompute+offload"],
+               "minimum_peak_compress": minimum["autorecompute compress:bfloat16 (lossy)"], "sqrt_n_peak": sqrt_peak}
     if name in MAX_BATCH_MODELS and not quick or name == "gpt":
         reset()
         summary["max_batch"] = max_batch(case, eager.peak, limit)
@@ -224,19 +246,23 @@ def pareto_plot(name: str, rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
     rows = [r for r in rows if r["peak"] is not None]
-    ours = sorted((r for r in rows if r["method"] == "autorecompute"), key=lambda r: r["extra_flops_ratio"])
-    ax.plot([100 * r["extra_flops_ratio"] for r in ours], [r["peak"] / 2**20 for r in ours], "o-",
-            color="#e69138", label="autorecompute (budget sweep)")
-    for r in ours:
-        ax.plot([100 * r["extra_flops_ratio"]], [r["budget"] / 2**20], "_", color="#cc0000", ms=12)
+    for method, color, label in (("autorecompute", "#e69138", "autorecompute, recompute only (budget sweep)"),
+                                 ("autorecompute+offload", "#3c78d8", "autorecompute + offload (budget sweep)")):
+        ours = sorted((r for r in rows if r["method"] == method), key=lambda r: r["extra_flops_ratio"])
+        ax.plot([100 * r["extra_flops_ratio"] for r in ours], [r["peak"] / 2**20 for r in ours], "o-",
+                color=color, label=label)
+        for r in ours:
+            ax.plot([100 * r["extra_flops_ratio"]], [r["budget"] / 2**20], "_", color="#cc0000", ms=12)
     markers = {"eager": ("s", "black"), "sqrt_n checkpoint_sequential": ("^", "#3d85c6"),
                "sqrt_n articulation points": ("v", "#6fa8dc"), "per-block checkpoint": ("D", "#674ea7"),
-               "per-block (HF gradient_checkpointing)": ("D", "#674ea7"), "autorecompute @ sqrt_n peak": ("*", "#cc0000")}
+               "per-block (HF gradient_checkpointing)": ("D", "#674ea7"), "autorecompute @ sqrt_n peak": ("*", "#cc0000"),
+               "autorecompute+offload @ sqrt_n peak": ("*", "#1155cc"),
+               "autorecompute compress:bfloat16 (lossy)": ("x", "#a64d79")}
     for r in rows:
         if r["method"] in markers:
             marker, color = markers[r["method"]]
             ax.plot([100 * r["extra_flops_ratio"]], [r["peak"] / 2**20], marker, color=color, ms=8, label=r["method"])
-    ax.set_xlabel("extra FLOPs over eager (%)")
+    ax.set_xlabel("extra FLOPs over eager (%) — offload and compress cost transfers/casts, not FLOPs")
     ax.set_ylabel("measured peak (MiB)")
     ax.set_title(f"{name}: measured peak vs recompute (red dashes: budgets)")
     ax.legend(fontsize=7)

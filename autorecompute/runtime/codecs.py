@@ -75,46 +75,67 @@ def _cast(dtype: torch.dtype):
     return encode, decode
 
 
-def _amax(x: torch.Tensor, dims=None) -> torch.Tensor:
-    """max |x| without a full-size temporary (two reductions instead of ``abs``)."""
-    if dims is None:
-        low, high = torch.aminmax(x)
-    else:
-        low, high = x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
-    return torch.maximum(-low, high).float()
+def _rows(x: torch.Tensor, channel: int | None) -> torch.Tensor:
+    """``x`` as (outer, C, inner) — C the channel dimension, 1 without one — a view when ``x`` is contiguous."""
+    if channel is None:
+        return x.reshape(1, 1, -1)
+    outer = 1
+    for size in x.shape[:channel]:
+        outer *= size
+    return x.reshape(outer, x.shape[channel], -1)
 
 
-def _scaled_encode(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rounding: bool) -> torch.Tensor:
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    flat_x, flat_out = x.reshape(-1), out.view(-1)
-    flat_scale = scale.expand(x.shape).reshape(-1) if scale.numel() > 1 else scale.reshape(())
-    for start in range(0, flat_x.numel(), _CHUNK):
-        part = slice(start, start + _CHUNK)
-        scaled = flat_x[part].float() / (flat_scale[part] if flat_scale.dim() else flat_scale)
+def _chunks(rows: torch.Tensor):
+    """Slices of the outer dimension holding about ``_CHUNK`` elements (one outer row at least)."""
+    per_row = max(1, rows.shape[1] * rows.shape[2])
+    step = max(1, _CHUNK // per_row)
+    for start in range(0, rows.shape[0], step):
+        yield slice(start, start + step)
+
+
+def _finite_amax(rows: torch.Tensor) -> torch.Tensor:
+    """max |x| per channel over finite values, shape (1, C, 1), float32, chunk by chunk (no full temporary):
+    one inf or NaN must not turn every other value into NaN."""
+    amax = torch.zeros((1, rows.shape[1], 1), dtype=torch.float32, device=rows.device)
+    for part in _chunks(rows):
+        chunk = torch.nan_to_num(rows[part].float(), nan=0.0, posinf=0.0, neginf=0.0).abs_()
+        amax = torch.maximum(amax, chunk.amax(dim=(0, 2), keepdim=True))
+    return amax
+
+
+def _scaled_encode(x: torch.Tensor, channel: int | None, limit: float, dtype: torch.dtype,
+                   rounding: bool) -> tuple[torch.Tensor, ...]:
+    rows = _rows(x, channel)
+    scale = (_finite_amax(rows) / limit).clamp_min(1e-30)
+    out = torch.empty(rows.shape, dtype=dtype, device=x.device)
+    for part in _chunks(rows):
+        scaled = rows[part].float() / scale
         if rounding:
-            scaled = scaled.round_().clamp_(-127, 127)
-        flat_out[part] = scaled.to(dtype)
-    return out
+            scaled = scaled.round_().clamp_(-limit, limit)
+        out[part] = scaled.to(dtype)
+    return out.view(x.shape), scale.reshape(-1)
 
 
 def _float8_encode(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    scale = (_amax(x) / 448.0).clamp_min(1e-30)
-    return _scaled_encode(x, scale, torch.float8_e4m3fn, rounding=False), scale
+    return _scaled_encode(x, None, 448.0, torch.float8_e4m3fn, rounding=False)
 
 
 def _int8_encode(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    if x.dim() < 2:     # no channels: one scale for the tensor
-        scale = (_amax(x) / 127.0).clamp_min(1e-30)
-    else:
-        channel = channel_dim(tuple(x.shape))
-        scale = (_amax(x, [d for d in range(x.dim()) if d != channel]) / 127.0).clamp_min(1e-30)
-    return _scaled_encode(x, scale, torch.int8, rounding=True), scale
+    # no channels below 2-D: one scale for the tensor
+    return _scaled_encode(x, channel_dim(tuple(x.shape)) if x.dim() >= 2 else None, 127.0, torch.int8,
+                          rounding=True)
 
 
 def _scaled_decode(stored: tuple[torch.Tensor, ...], original: torch.dtype) -> torch.Tensor:
+    """Back to ``original``, multiplying in float32 (a bf16/fp16 scale would round away small values)."""
     values, scale = stored
-    out = values.to(original)
-    return out.mul_(scale.to(original))
+    channel = channel_dim(tuple(values.shape)) if values.dim() >= 2 and scale.numel() > 1 else None
+    rows = _rows(values, channel)
+    scale = scale.reshape(1, -1, 1)
+    out = torch.empty(rows.shape, dtype=original, device=values.device)
+    for part in _chunks(rows):
+        out[part] = (rows[part].float() * scale).to(original)
+    return out.view(values.shape)
 
 
 CODECS: dict[str, Codec] = {

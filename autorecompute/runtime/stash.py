@@ -60,16 +60,17 @@ class _Stash:
     # forward ---------------------------------------------------------------------------------------
     def start(self) -> None:
         """Makes the stored copy (at the first save); the forward keeps using the original meanwhile."""
-        if self.started:
+        if self.started or self.flat is None:
             return
-        self.started = True
         with torch.no_grad():
             if self.codec is not None:
                 source = self.flat.view(self.shape) if self.shape is not None else self.flat
                 self.stored = self.codec.encode(source)
-                self.flat = None           # the original is the forward's alone from here
             else:
                 self.stored, self.out = self.tier.store(self.flat, self.name)
+        # ``flat`` stays until stash_release: it pins the storage, so its address (the registration key)
+        # cannot be reused by another tensor while the stash is registered
+        self.started = True
 
     def release_device(self) -> None:
         """After the last forward use: the copy out is complete, the device copy may go."""
@@ -86,9 +87,9 @@ class _Stash:
         self.restored = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         self.back = self.tier.load(self.stored, self.restored, self.name)
 
-    def restore(self, size, stride, offset) -> torch.Tensor:
+    def restore(self, size, stride, offset, dtype) -> torch.Tensor:
         if self.flat is not None:      # not released yet (a backward inside the forward): still on device
-            return torch.as_strided(self.flat, size, stride, offset)
+            return torch.as_strided(self._as(self.flat, dtype), size, stride, offset)
         if self.restored is None:
             if self.codec is not None:
                 with torch.no_grad():
@@ -99,7 +100,11 @@ class _Stash:
         if self.back is not None:
             self.back.wait()
             self.back = None
-        return torch.as_strided(self.restored, size, stride, offset)
+        return torch.as_strided(self._as(self.restored, dtype), size, stride, offset)
+
+    def _as(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A saved view may have another dtype than the stash (``view_as_real``): its sizes count those."""
+        return flat if dtype == flat.dtype else flat.view(dtype)
 
     def drop_ref(self) -> None:
         """A saved reference died (its op's backward is done): the last one frees everything."""
@@ -109,10 +114,10 @@ class _Stash:
             if self.out is not None:
                 try:
                     self.out.wait()    # never delete a file a write is still filling
-                except OSError:
-                    pass               # the forward already raised it (stash_release); nothing to keep
+                except Exception:      # noqa: BLE001 — raised in the forward already; a finalizer must not raise
+                    pass
                 self.out = None
-            if self.tier is not None and self.started:
+            if self.tier is not None and self.started and self.stored is not None:
                 self.tier.release(self.stored)
             self.stored, self.started = None, False
 
@@ -127,7 +132,7 @@ class _SavedRef:
 
     def attach(self, stash: _Stash) -> None:
         t = self.tensor
-        self.view = (tuple(t.size()), tuple(t.stride()), t.storage_offset())
+        self.view = (tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype)
         self.stash, self.tensor = stash, None
         stash.refs += 1
         weakref.finalize(self, stash.drop_ref)
@@ -147,7 +152,10 @@ class _Step:
         self.scope: list[tuple[int, _SavedRef]] | None = None       # saves of the op in a stash scope
 
     def pack(self, tensor: torch.Tensor):
-        key = tensor.untyped_storage()._cdata
+        try:
+            key = tensor.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):
+            return tensor          # no plain storage (sparse, nested): never an activation the plan stashes
         stash = self.stashes.get(key)
         if stash is None and tensor.is_leaf and self.scope is None:
             return tensor          # parameters and inputs: never stashed, not worth a wrapper
@@ -195,15 +203,20 @@ class StashRuntime(torch.nn.Module):
         self._local = threading.local()
 
     def tier(self, tensor: torch.Tensor):
+        """The tier for ``tensor``'s device: CUDA → pinned host (then disk); any other device → disk."""
         if _is_simulated(tensor):
             return SimulatedTier()
-        kind = tensor.device.type
-        if kind not in self._tiers:
-            disk = self._tiers.get("cpu") or DiskTier(self.offload_dir)
-            self._tiers["cpu"] = disk
-            if kind == "cuda":
-                self._tiers["cuda"] = HostTier(PinnedPool(self.pinned_bytes), disk)
-        return self._tiers[kind]
+        device = str(tensor.device)
+        if device not in self._tiers:
+            disk = self._tiers.get("disk") or DiskTier(self.offload_dir)
+            self._tiers["disk"] = disk
+            if tensor.device.type == "cuda":
+                pool = self._tiers.get("pinned") or PinnedPool(self.pinned_bytes)    # one budget for all GPUs
+                self._tiers["pinned"] = pool
+                self._tiers[device] = HostTier(pool, disk, tensor.device)
+            else:
+                self._tiers[device] = disk
+        return self._tiers[device]
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

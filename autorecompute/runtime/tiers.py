@@ -21,18 +21,26 @@ from autorecompute.errors import OffloadError
 
 
 class Transfer:
-    """A copy in flight; :meth:`wait` blocks until it is done (and raises what it raised)."""
+    """A copy in flight; :meth:`wait` blocks until it is done (and raises what it raised).
 
-    def __init__(self, future: Future | None = None, event=None, what: str = ""):
-        self.future, self.event, self.what = future, event, what
+    ``then`` runs once, on the waiting thread, after the background part: the host-to-device step of a
+    disk read, so it is queued on the caller's current stream like any other op.
+    """
+
+    def __init__(self, future: Future | None = None, event=None, what: str = "", then=None, device=None):
+        self.future, self.event, self.what, self.then, self.device = future, event, what, then, device
 
     def wait(self) -> None:
         if self.future is not None:
             error = self.future.exception()
             if error is not None:
                 raise error
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
         if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)   # the compute stream waits, the host does not
+            # the compute stream waits for the copy, the host does not
+            torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
 def check_writable(directory: str) -> str:
@@ -94,9 +102,12 @@ class DiskTier:
         return path, Transfer(self._pool.submit(write), what=name)
 
     def load(self, stored: object, out: torch.Tensor, name: str) -> Transfer:
-        """Starts reading the file ``stored`` into ``out`` (allocated by the caller on the device)."""
+        """Starts reading the file ``stored`` into ``out`` (allocated by the caller on the device). For a
+        device other than the CPU the thread fills a host buffer and the waiting thread copies it over."""
         path = str(stored)
-        target = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        on_host = out.device.type == "cpu"
+        target = out if on_host else torch.empty(out.shape, dtype=out.dtype,
+                                                 pin_memory=out.device.type == "cuda")
 
         def read() -> None:
             with open(path, "rb") as f:
@@ -104,9 +115,8 @@ class DiskTier:
             if got != target.numel() * target.element_size():
                 raise OffloadError(f"reading offloaded activation {name!r} from {path}: got {got} bytes of "
                                    f"{target.numel() * target.element_size()} (was the file changed?)")
-            if target is not out:
-                out.copy_(target, non_blocking=False)
-        return Transfer(self._pool.submit(read), what=name)
+        then = None if on_host else (lambda: out.copy_(target, non_blocking=out.device.type == "cuda"))
+        return Transfer(self._pool.submit(read), what=name, then=then)
 
     def release(self, stored: object) -> None:
         _unlink(str(stored))
@@ -139,11 +149,19 @@ class PinnedPool:
             if free:
                 self.in_use += nbytes
                 return free.pop()
-            reserved = self.in_use + sum(n * len(b) for n, b in self._free.items())
-            if reserved + nbytes > self.capacity:
+            if self.in_use + nbytes > self.capacity:
                 return None
+            # make room by dropping idle buffers of other sizes (shapes change, e.g. sequence lengths)
+            while self.in_use + nbytes + self._idle() > self.capacity:
+                size = max(self._free, key=lambda n: n * len(self._free[n]))
+                self._free[size].pop()
+                if not self._free[size]:
+                    del self._free[size]
             self.in_use += nbytes
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def _idle(self) -> int:
+        return sum(n * len(b) for n, b in self._free.items())
 
     def give(self, buffer: torch.Tensor) -> None:
         with self._lock:
@@ -156,9 +174,9 @@ class HostTier:
     prefetched on it before backward needs them; the compute stream waits on events, never on the host.
     When the pinned pool is full the tensor goes one level down, to ``disk``."""
 
-    def __init__(self, pool: PinnedPool, disk: DiskTier):
-        self.pool, self.disk = pool, disk
-        self.stream = torch.cuda.Stream()
+    def __init__(self, pool: PinnedPool, disk: DiskTier, device: torch.device):
+        self.pool, self.disk, self.device = pool, disk, device
+        self.stream = torch.cuda.Stream(device=device)
 
     def store(self, flat: torch.Tensor, name: str) -> tuple[object, Transfer]:
         nbytes = flat.numel() * flat.element_size()
@@ -166,25 +184,26 @@ class HostTier:
         if buffer is None:
             stored, transfer = self.disk.store(flat, name)
             return ("disk", stored), transfer
-        self.stream.wait_stream(torch.cuda.current_stream())
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             buffer.copy_(flat.view(torch.uint8), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         flat.record_stream(self.stream)     # the allocator keeps the block until the copy is done
-        return ("host", buffer), Transfer(event=event, what=name)
+        return ("host", buffer), Transfer(event=event, what=name, device=self.device)
 
     def load(self, stored: object, out: torch.Tensor, name: str) -> Transfer:
         kind, where = stored
         if kind == "disk":
             return self.disk.load(where, out, name)
-        self.stream.wait_stream(torch.cuda.current_stream())   # ``out`` was allocated on the compute stream
+        # ``out`` was allocated on the compute stream: the copy starts after what is queued there
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             out.view(torch.uint8).copy_(where, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         out.record_stream(self.stream)
-        return Transfer(event=event, what=name)
+        return Transfer(event=event, what=name, device=self.device)
 
     def release(self, stored: object) -> None:
         kind, where = stored
