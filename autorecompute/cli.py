@@ -86,8 +86,10 @@ def plan_command(args: argparse.Namespace) -> int:
         return 2
     example = example if isinstance(example, tuple) else (example,)
     try:
-        plan = autorecompute.plan(model, *example, budget=args.budget, solver_time_limit=args.solver_time_limit)
-    except autorecompute.InfeasibleBudgetError as error:
+        plan = autorecompute.plan(model, *example, budget=args.budget, solver_time_limit=args.solver_time_limit,
+                                  actions=tuple(args.actions.split(",")),
+                                  compress_dtypes=tuple(args.compress_dtypes.split(",")) if args.compress_dtypes else None)
+    except (autorecompute.InfeasibleBudgetError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(plan)
@@ -122,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-shape", help="comma-separated shape of one float input, e.g. 8,3,224,224")
     p.add_argument("--out", help="also write the plan: .html (one page), .json, .dot, .svg or .png (timeline)")
     p.add_argument("--solver-time-limit", type=float, default=8.0)
+    p.add_argument("--actions", default="recompute,offload",
+                   help="comma-separated, among recompute, offload, compress (default: recompute,offload)")
+    p.add_argument("--compress-dtypes", default=None,
+                   help="with compress: comma-separated among bfloat16, float16, float8, int8 (default bfloat16)")
     p.set_defaults(run=plan_command)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -40,3 +40,20 @@ def test_help_for_each_command():
     for args in (["--help"], ["demo", "--help"], ["plan", "--help"]):
         done = subprocess.run([sys.executable, "-m", "autorecompute.cli", *args], capture_output=True, text=True)
         assert done.returncode == 0 and "usage: autorecompute" in done.stdout
+
+
+def test_plan_command_actions_and_bad_dtype(tmp_path, monkeypatch, capsys):
+    (tmp_path / "user_models2.py").write_text(textwrap.dedent("""
+        import torch
+        def make():
+            model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+                                          for _ in range(6)])
+            return model, (torch.randn(1024, 64),)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["plan", "user_models2:make", "--budget", "0.9", "--actions", "compress",
+                 "--solver-time-limit", "1"]) == 0
+    assert "compress:bfloat16" in capsys.readouterr().out
+    assert main(["plan", "user_models2:make", "--budget", "0.9", "--actions", "compress",
+                 "--compress-dtypes", "float4"]) == 1
+    assert "accepted compress dtypes" in capsys.readouterr().err
