@@ -247,9 +247,11 @@ def _why(action: str, node: NodeRecord, held_at_peak: bool, stashed: list[StashR
     if stashed:
         moved = sum(r.saved_bytes for r in stashed)
         if all(r.action.startswith("offload") for r in stashed):
-            return (f"offloaded {format_bytes(moved)}: cheaper than recomputing "
-                    f"{node.flops:.3g} FLOPs, copy hidden behind compute")
-        return f"compressed: {format_bytes(moved)} smaller until backward"
+            when = "prefetched before backward" if all(r.action == "offload" for r in stashed) \
+                else "copied back when backward needs it"
+            cheaper = f"; cheaper than recomputing {node.flops:.3g} FLOPs" if node.flops else ""
+            return f"offloaded {format_bytes(moved)}, {when}{cheaper}"
+        return f"compressed: {format_bytes(moved)} off the device until backward ({stashed[0].expected_error})"
     if action == "recompute":
         if node.held_bytes == 0:
             return "holds nothing itself: recomputed to rebuild a later op's input"

@@ -190,4 +190,5 @@ def test_cuda_offload_to_pinned_host_memory_fits_the_allocator_peak():
     assert compiled.plan.count("offload") > 0
     assert torch.cuda.max_memory_allocated() <= compiled.plan.budget
     for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, expected[n], rtol=0, atol=0)
+        # offload restores saved tensors exactly; the tolerance only absorbs CUDA's nondeterministic kernels
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-6)
