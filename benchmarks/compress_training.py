@@ -126,6 +126,13 @@ def compile_for(model, kind: str, example: torch.Tensor, solver_time_limit: floa
     return compiled, plan, budget
 
 
+def batch_of(data: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of one step as their own (contiguous) tensors: a slice of ``data`` would keep the
+    whole data set's storage alive as the input, and the planner counts an input's full storage as resident."""
+    batch = data[step]
+    return batch[:, :SEQ].clone(), batch[:, 1:].clone()
+
+
 def train(kind: str, initial: dict, data: torch.Tensor, solver_time_limit: float) -> dict:
     model = fresh_model()
     model.load_state_dict(initial)
@@ -135,7 +142,7 @@ def train(kind: str, initial: dict, data: torch.Tensor, solver_time_limit: float
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            compiled, plan, requested = compile_for(model, kind, data[0, :, :SEQ], solver_time_limit)
+            compiled, plan, requested = compile_for(model, kind, batch_of(data, 0)[0], solver_time_limit)
             plan_seconds = time.perf_counter() - start
             if plan is not None:
                 row.update(requested_budget=requested, budget=plan.budget, predicted_peak=plan.predicted_peak,
@@ -149,10 +156,10 @@ def train(kind: str, initial: dict, data: torch.Tensor, solver_time_limit: float
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
             losses = []
             for step in range(data.shape[0]):
-                batch = data[step]
+                inputs, targets = batch_of(data, step)
                 optimizer.zero_grad(set_to_none=True)   # no gradients held during the step, as when planned
-                logits = compiled(batch[:, :SEQ])
-                loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+                logits = compiled(inputs)
+                loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
                 loss.backward()
                 optimizer.step()
                 losses.append(loss.item())

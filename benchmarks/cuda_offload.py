@@ -36,6 +36,16 @@ def step(module, ids) -> None:
     module(ids).float().sum().backward()
 
 
+def allocator_peak(module, model, ids) -> int:
+    """``torch.cuda.max_memory_allocated`` of one step, gradients cleared first."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step(module, ids)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
 def timed(module, ids, reps: int = 10) -> float:
     times = []
     for _ in range(reps):
@@ -72,12 +82,7 @@ def main(argv=None) -> int:
     ids = torch.randint(0, 256, (args.batch, 64), device="cuda")
     step(model, ids)
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step(model, ids)
-    torch.cuda.synchronize()
-    eager_peak = torch.cuda.max_memory_allocated()
+    eager_peak = allocator_peak(model, model, ids)
     model.zero_grad(set_to_none=True)
     eager_time = timed(model, ids)
 
@@ -85,13 +90,7 @@ def main(argv=None) -> int:
     budget = int(args.budget * eager_peak)
     compiled = autorecompute.compile(model, budget=budget, actions=("offload",), solver_time_limit=2)
     compiled.prepare(ids)
-    torch.manual_seed(0)
-    model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step(compiled, ids)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
+    peak = allocator_peak(compiled, model, ids)
     grad_diff = max(float((p.grad - expected[n]).abs().max()) for n, p in model.named_parameters())
     model.zero_grad(set_to_none=True)
     offload_time = timed(compiled, ids)

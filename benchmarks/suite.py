@@ -139,6 +139,17 @@ def max_batch(case, budget: int, limit: float) -> dict:
     return found
 
 
+COMPILE_BUDGET = ROOT / "benchmarks" / "results" / "compile_budget.json"
+
+
+def compile_budget_rows(name: str) -> list[dict]:
+    """torch.compile (aot_eager) points below the compiled baseline, as measured by compile_budget.py."""
+    if not COMPILE_BUDGET.exists():
+        return []
+    rows = [r for r in json.loads(COMPILE_BUDGET.read_text()) if r["model"] == name and r["backend"] == "aot_eager"]
+    return [r for r in rows if r["fraction"] < 1.0]
+
+
 def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]:
     case = models.make(name)
     model = case.model
@@ -229,6 +240,18 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
             plan = compiled.plan
             record(label, compiled, budget=budget, plan_time=time.perf_counter() - started,
                    status=plan.solver_status + (f"; {len(plan.stash)} stashed" if plan.stash else ""))
+    # at the peaks torch.compile's activation_memory_budget reached (benchmarks/compile_budget.py)
+    for row in compile_budget_rows(name):
+        budget = row["measured_peak_bytes"]
+        reset()
+        started = time.perf_counter()
+        compiled = autorecompute.compile(model, budget=budget, solver_time_limit=limit, actions=RECOMPUTE)
+        try:
+            compiled.prepare(*case.args, **case.kwargs)
+        except autorecompute.InfeasibleBudgetError:
+            continue
+        record(f"autorecompute @ torch.compile({row['fraction']}) peak", compiled, budget=budget,
+               plan_time=time.perf_counter() - started, status=compiled.plan.solver_status)
     summary = {"model": name, "eager_peak": eager.peak, "minimum_peak": minimum["autorecompute"],
                "minimum_peak_offload": minimum["autorecompute+offload"],
                "minimum_peak_compress": minimum["autorecompute compress:bfloat16 (lossy)"], "sqrt_n_peak": sqrt_peak}
@@ -262,6 +285,12 @@ def pareto_plot(name: str, rows: list[dict], path: Path) -> None:
         if r["method"] in markers:
             marker, color = markers[r["method"]]
             ax.plot([100 * r["extra_flops_ratio"]], [r["peak"] / 2**20], marker, color=color, ms=8, label=r["method"])
+    if COMPILE_BUDGET.exists():
+        points = sorted((r for r in json.loads(COMPILE_BUDGET.read_text())
+                         if r["model"] == name and r["backend"] == "aot_eager"), key=lambda r: r["fraction"])
+        if points:
+            ax.plot([100 * r["extra_flops_ratio"] for r in points], [r["measured_peak_bytes"] / 2**20 for r in points],
+                    "P--", color="#6aa84f", label="torch.compile activation_memory_budget 0-1 (aot_eager)")
     ax.set_xlabel("extra FLOPs over eager (%) — offload and compress cost transfers/casts, not FLOPs")
     ax.set_ylabel("measured peak (MiB)")
     ax.set_title(f"{name}: measured peak vs recompute (red dashes: budgets)")

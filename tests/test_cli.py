@@ -3,6 +3,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from autorecompute.cli import budget_arg, main
 
 
@@ -12,16 +14,26 @@ def test_budget_argument_forms():
     assert budget_arg("12GB") == "12GB"
 
 
-def test_plan_command_writes_html(tmp_path, monkeypatch, capsys):
-    (tmp_path / "user_models.py").write_text(textwrap.dedent("""
-        import torch
-        def make():
-            model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
-                                          for _ in range(6)])
-            return model, (torch.randn(1024, 64),)
-    """))
+USER_MODELS = textwrap.dedent("""
+    import torch
+    def make():
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+                                      for _ in range(6)])
+        return model, (torch.randn(1024, 64),)
+""")
+
+
+@pytest.fixture
+def user_models(tmp_path, monkeypatch):
+    """A module ``user_models`` with a factory ``make``, importable from the current directory."""
+    (tmp_path / "user_models.py").write_text(USER_MODELS)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_plan_command_writes_html(user_models, capsys):
+    tmp_path = user_models
     out = tmp_path / "plan.html"
     assert main(["plan", "user_models:make", "--budget", "0.8", "--out", str(out), "--solver-time-limit", "1"]) == 0
     assert out.read_text().startswith("<!doctype html>")
@@ -42,16 +54,8 @@ def test_help_for_each_command():
         assert done.returncode == 0 and "usage: autorecompute" in done.stdout
 
 
-def test_plan_command_actions_and_bad_dtype(tmp_path, monkeypatch, capsys):
-    (tmp_path / "user_models2.py").write_text(textwrap.dedent("""
-        import torch
-        def make():
-            model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
-                                          for _ in range(6)])
-            return model, (torch.randn(1024, 64),)
-    """))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert main(["plan", "user_models2:make", "--budget", "0.9", "--actions", "compress",
+def test_plan_command_actions_and_bad_dtype(user_models, capsys):
+    assert main(["plan", "user_models:make", "--budget", "0.9", "--actions", "compress",
                  "--solver-time-limit", "1"]) == 0
     assert "compress:bfloat16" in capsys.readouterr().out
     assert main(["plan", "user_models2:make", "--budget", "0.9", "--actions", "compress",
