@@ -58,6 +58,6 @@ def test_plan_command_actions_and_bad_dtype(user_models, capsys):
     assert main(["plan", "user_models:make", "--budget", "0.9", "--actions", "compress",
                  "--solver-time-limit", "1"]) == 0
     assert "compress:bfloat16" in capsys.readouterr().out
-    assert main(["plan", "user_models2:make", "--budget", "0.9", "--actions", "compress",
+    assert main(["plan", "user_models:make", "--budget", "0.9", "--actions", "compress",
                  "--compress-dtypes", "float4"]) == 1
     assert "accepted compress dtypes" in capsys.readouterr().err
