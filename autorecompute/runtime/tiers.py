@@ -83,11 +83,15 @@ class DiskTier:
         path = self._path(name)
         data = flat.detach().cpu() if flat.device.type != "cpu" else flat.detach()
         nbytes = data.numel() * data.element_size()
+        # the thread takes the tensor out of the box, so no reference outlives the write: the device
+        # memory is free by the time the waiting thread wakes up (measured peaks must not depend on timing)
+        box = [data]
+        del data
 
         def write() -> None:
             try:
                 with open(path, "wb") as f:
-                    written = f.write(memoryview(data.view(torch.uint8).numpy()))
+                    written = f.write(memoryview(box.pop().view(torch.uint8).numpy()))
                     f.flush()
                 if written != nbytes:
                     raise OSError(f"wrote {written} of {nbytes} bytes")
@@ -109,13 +113,18 @@ class DiskTier:
         target = out if on_host else torch.empty(out.shape, dtype=out.dtype,
                                                  pin_memory=out.device.type == "cuda")
 
+        box = [target]     # as in store: no reference to the buffer outlives the read in the thread
+        expected = target.numel() * target.element_size()
+
         def read() -> None:
             with open(path, "rb") as f:
-                got = f.readinto(memoryview(target.view(torch.uint8).numpy()))
-            if got != target.numel() * target.element_size():
+                got = f.readinto(memoryview(box.pop().view(torch.uint8).numpy()))
+            if got != expected:
                 raise OffloadError(f"reading offloaded activation {name!r} from {path}: got {got} bytes of "
-                                   f"{target.numel() * target.element_size()} (was the file changed?)")
+                                   f"{expected} (was the file changed?)")
         then = None if on_host else (lambda: out.copy_(target, non_blocking=out.device.type == "cuda"))
+        if on_host:
+            del target
         return Transfer(self._pool.submit(read), what=name, then=then)
 
     def release(self, stored: object) -> None:
