@@ -38,12 +38,14 @@ def _is_simulated(tensor: torch.Tensor) -> bool:
 class _Stash:
     """One stashed storage: its stored copy, and the restored tensor while backward needs it."""
 
-    def __init__(self, runtime: "StashRuntime", name: str, tensor: torch.Tensor, action: str, tier=None,
-                 codec_name: str | None = None):
+    def __init__(self, runtime: "StashRuntime", name: str, tensor: torch.Tensor, action: str):
         storage = tensor.untyped_storage()
         self.key = storage._cdata
-        self.name, self.action, self.tier = name, action, tier
-        self.codec = codec(codec_name) if codec_name else None
+        self.name, self.action = name, action
+        # "compress:<dtype>" encodes in place on the device; "offload"/"offload:late" go to the device's tier
+        compressed = action.startswith("compress:")
+        self.codec = codec(action.split(":", 1)[1]) if compressed else None
+        self.tier = None if compressed else runtime.tier(tensor)
         self.dtype, self.device = tensor.dtype, tensor.device
         self.numel = storage.nbytes() // tensor.element_size()
         # the whole storage as one flat tensor: saved views of it are rebuilt over the restored copy
@@ -55,7 +57,6 @@ class _Stash:
         self.back: Transfer | None = None
         self.refs = 0
         self.started = False
-        self.runtime = weakref.ref(runtime)
 
     # forward ---------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -145,8 +146,7 @@ class _SavedRef:
 class _Step:
     """Hook state of one forward call."""
 
-    def __init__(self, runtime: "StashRuntime"):
-        self.runtime = runtime
+    def __init__(self):
         self.stashes: dict[int, _Stash] = {}                        # storage key → stash (registered)
         self.saved: dict[int, list[weakref.ref]] = {}               # storage key → refs saved before that
         self.scope: list[tuple[int, _SavedRef]] | None = None       # saves of the op in a stash scope
@@ -221,7 +221,7 @@ class StashRuntime(torch.nn.Module):
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Saved-tensor hooks for one forward call of the rewritten module."""
-        step = _Step(self)
+        step = _Step()
         previous = getattr(self._local, "step", None)
         self._local.step = step
         try:
@@ -238,12 +238,11 @@ class StashRuntime(torch.nn.Module):
         return step
 
 
-def _register(runtime: StashRuntime, tensor: torch.Tensor, name: str, action: str, codec_name=None) -> _Stash:
+def _register(runtime: StashRuntime, tensor: torch.Tensor, name: str, action: str) -> _Stash:
     step = runtime.step()
     if not torch.is_grad_enabled() or not isinstance(tensor, torch.Tensor):
         return None
-    tier = None if codec_name else runtime.tier(tensor)
-    stash = _Stash(runtime, name, tensor, action, tier=tier, codec_name=codec_name)
+    stash = _Stash(runtime, name, tensor, action)
     step.register(stash)
     return stash
 
@@ -255,7 +254,7 @@ def stash_offload(runtime: StashRuntime, tensor: torch.Tensor, name: str) -> _St
 
 def stash_compress(runtime: StashRuntime, tensor: torch.Tensor, name: str, dtype: str) -> _Stash | None:
     """Graph node (a cast): from here, what autograd saves of ``tensor`` is kept encoded as ``dtype``."""
-    return _register(runtime, tensor, name, f"compress:{dtype}", codec_name=dtype)
+    return _register(runtime, tensor, name, f"compress:{dtype}")
 
 
 def stash_release(runtime: StashRuntime, handle: _Stash | None) -> None:
@@ -298,11 +297,7 @@ def stash_scope_end(runtime: StashRuntime, input_keys: frozenset[int], output, i
         action = actions.get(name)
         if action is None:
             continue
-        first = refs[key][0]
-        source = first.tensor
-        codec_name = action.split(":", 1)[1] if action.startswith("compress:") else None
-        stash = _Stash(runtime, name, source, action, tier=None if codec_name else runtime.tier(source),
-                       codec_name=codec_name)
+        stash = _Stash(runtime, name, refs[key][0].tensor, action)
         for ref in refs[key]:
             if ref.stash is None:
                 ref.attach(stash)
