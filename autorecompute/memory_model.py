@@ -15,7 +15,8 @@ checks both on every assignment of small problems). Regions are the maximal runs
 * when ``t`` is stashed (``stash[t.name]`` names one of its :class:`~autorecompute.problem.StashOption`),
   is held by a kept saver and by no region, its held interval ``[hold_start, save_end]`` is replaced by
   the stored copy over ``[stored_from, save_end]`` and the restored tensor over ``[restored_from,
-  save_end]``; a stash choice that is not valid for the recompute decisions has no effect (and no cost).
+  save_end]``; a stash choice that is not valid for the decisions (see :func:`stash_valid`) has no effect
+  (and no cost).
 """
 from __future__ import annotations
 
@@ -71,6 +72,13 @@ def _holders(act, region: list[int], index: Mapping[str, int]) -> tuple[int, boo
     return owner_region, as_input, by_saver
 
 
+def stash_valid(option, recompute: Mapping[str, bool], stash: Stash, by_saver: bool, as_input: bool) -> bool:
+    """Whether a stash ``option`` takes effect: a kept saver packs the tensor, no region holds it as an
+    input, the ops it needs are kept and the activations it needs are not stashed (raw choices)."""
+    return (by_saver and not as_input and not any(recompute.get(op) for op in option.needs_kept)
+            and not any(name in stash for name in option.needs_unstashed))
+
+
 def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None):
     """Yields ``(activation, start, end, kind, nbytes)`` for every interval an activation occupies beyond
     its forward life: kind "held" (autograd or a region keeps it), "stashed" (its stored copy or restored
@@ -83,7 +91,7 @@ def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None
         owner_region, as_input, by_saver = _holders(act, region, index)
         if act.savers and (by_saver or as_input) and act.save_end >= act.hold_start:
             option = problem.stash_option(act.name, stash.get(act.name))
-            if option is not None and by_saver and not as_input:
+            if option is not None and stash_valid(option, recompute, stash, by_saver, as_input):
                 yield act, option.stored_from, act.save_end, "stashed", option.stored_bytes
                 yield act, option.restored_from, act.save_end, "stashed", act.nbytes
             else:
@@ -109,10 +117,12 @@ def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stas
     effective = {}
     for act in problem.activations:
         action = stash.get(act.name)
-        if action is None or problem.stash_option(act.name, action) is None:
+        option = problem.stash_option(act.name, action) if action is not None else None
+        if option is None:
             continue
         _, as_input, by_saver = _holders(act, region, index)
-        if act.savers and by_saver and not as_input and act.save_end >= act.hold_start:
+        if act.savers and act.save_end >= act.hold_start and stash_valid(option, recompute, stash, by_saver,
+                                                                          as_input):
             effective[act.name] = action
     return effective
 
@@ -187,9 +197,12 @@ def predicted_peak(problem: Problem, recompute: Mapping[str, bool], stash: Stash
     return max(memory_timeline(problem, recompute, stash))
 
 
-def extra_flops(problem: Problem, recompute: Mapping[str, bool]) -> int:
-    """FLOPs run again in backward."""
-    return sum(problem.flops.get(op, 0) for op, on in recompute.items() if on and op in problem.recomputable)
+def extra_flops(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> int:
+    """FLOPs run again in backward: recomputed regions, and the ops of rematerialized activations."""
+    again = sum(problem.flops.get(op, 0) for op, on in recompute.items() if on and op in problem.recomputable)
+    remat = [name for name, action in effective_stash(problem, recompute, stash).items() if action == "rematerialize"]
+    owner = {act.name: act.owner for act in problem.activations}
+    return again + sum(problem.flops.get(owner[name], 0) for name in remat)
 
 
 def stash_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None) -> int:

@@ -1,8 +1,9 @@
 """The Plan: the only thing the solver hands to the rewriter, and what users read.
 
 A frozen, JSON-serializable record keyed by node name. ``decisions`` maps every op the solver could act on
-to ``"keep"`` or ``"recompute"``; ``stash`` maps every activation taken off the device (``"offload"``) or
-stored smaller (``"compress:<dtype>"``) to a :class:`StashRecord`; ``nodes`` carries what a person needs to
+to ``"keep"`` or ``"recompute"``; ``stash`` maps every activation taken off the device (``"offload"``),
+stored smaller (``"compress:<dtype>"``) or dropped and made again by its own op when backward needs it
+(``"rematerialize"``) to a :class:`StashRecord`; ``nodes`` carries what a person needs to
 read it (shape, dtype, bytes, module path, FLOPs).
 """
 from __future__ import annotations
@@ -14,20 +15,21 @@ from typing import Any
 from autorecompute.budget import format_bytes
 
 SCHEMA_VERSION = 2          # 2: adds ``stash``; version 1 files (no stash) are still read
-ACTIONS = ("keep", "recompute", "offload", "compress")
+ACTIONS = ("keep", "recompute", "rematerialize", "offload", "compress")
 
 
 @dataclass(frozen=True)
 class StashRecord:
-    """One activation the plan offloads or compresses.
+    """One activation the plan offloads, compresses or rematerializes.
 
     Attributes:
         action: ``"offload"`` (prefetched before backward needs it), ``"offload:late"`` (copied back when
-            backward needs it: less memory, the copy not hidden) or ``"compress:<dtype>"``.
+            backward needs it: less memory, the copy not hidden), ``"compress:<dtype>"`` or
+            ``"rematerialize"`` (dropped after forward, its op run again on held inputs at first use).
         owner: the op that makes it.
         nbytes: its size; ``stored_bytes`` what stays on the device meanwhile (0 when offloaded).
         shape, dtype: of the tensor.
-        expected_error: ``"exact"`` for offload, the codec's error bound for compress.
+        expected_error: ``"exact"`` for offload and rematerialize, the codec's error bound for compress.
         prefetch_event: backward event from which it may be back on the device.
     """
 
@@ -121,10 +123,11 @@ class Plan:
     def action_of(self, op: str) -> str:
         """What happens to ``op``'s held outputs: "recompute", "keep", or their stash actions."""
         action = self.decisions.get(op, "keep")
-        if action == "recompute":
-            return action
         stashed = sorted({r.action for r in self.stash.values() if r.owner == op})
-        return "+".join(stashed) if stashed else action
+        if not stashed:
+            return action
+        # a recomputed op's region output that a kept op saves can still be stashed: "recompute+offload"
+        return "+".join((["recompute"] if action == "recompute" else []) + stashed)
 
     @property
     def extra_flops_ratio(self) -> float:
@@ -152,13 +155,11 @@ class Plan:
         totals: dict[str, int] = {}
         for name, action in self.decisions.items():
             held = self.nodes[name].held_bytes if name in self.nodes else 0
-            if action == "recompute":
-                totals["recompute"] = totals.get("recompute", 0) + held
-                continue
             for record in self._stashed_of(name):
                 totals[record.action] = totals.get(record.action, 0) + record.saved_bytes
                 held -= record.saved_bytes
-            totals["keep"] = totals.get("keep", 0) + max(0, held)
+            rest = "recompute" if action == "recompute" else "keep"
+            totals[rest] = totals.get(rest, 0) + max(0, held)
         return totals
 
     # ---- serialization -------------------------------------------------------------------------------
@@ -212,7 +213,7 @@ class Plan:
             records = [r for r in self.stash.values() if r.action == action]
             moved = sum(r.saved_bytes for r in records)
             lines.append(f"  {action:<15} {len(records)} tensors, {format_bytes(moved)} off the device"
-                         + ("" if action.startswith("offload") else f"; expected error {records[0].expected_error}"))
+                         + ("" if records[0].expected_error == "exact" else f"; expected error {records[0].expected_error}"))
         return lines
 
     def __str__(self) -> str:
@@ -251,6 +252,9 @@ def _why(action: str, node: NodeRecord, held_at_peak: bool, stashed: list[StashR
                 else "copied back when backward needs it"
             cheaper = f"; cheaper than recomputing {node.flops:.3g} FLOPs" if node.flops else ""
             return f"offloaded {format_bytes(moved)}, {when}{cheaper}"
+        if all(r.action == "rematerialize" for r in stashed):
+            return (f"rematerialized: {format_bytes(moved)} dropped after forward, its op run again on held "
+                    f"inputs when backward needs it ({node.flops:.3g} FLOPs)")
         return f"compressed: {format_bytes(moved)} off the device until backward ({stashed[0].expected_error})"
     if action == "recompute":
         if node.held_bytes == 0:

@@ -241,7 +241,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     plan = Plan(
         budget=budget_bytes, predicted_peak=peak, baseline_peak=baseline_peak, minimum_peak=minimum_peak,
         model_peak=predicted_peak(problem, recompute, stash), decisions=_decisions(problem, recompute),
-        extra_flops=extra_flops(problem, recompute), baseline_flops=sum(problem.flops.values()),
+        extra_flops=extra_flops(problem, recompute, stash), baseline_flops=sum(problem.flops.values()),
         solver_status=status, solver_time=solve_time, solver_gap=gap,
         plan_time=time.perf_counter() - started, actions=options.actions, resident=dict(profile.resident),
         nodes=_node_records(gm, problem), model_name=type(model).__name__, signature=signature,
@@ -258,7 +258,7 @@ def _stash_records(gm: torch.fx.GraphModule, problem: Problem, stash: dict[str, 
     for name, action in stash.items():
         option = problem.stash_option(name, action)
         tensor = profile.tensors[name]
-        error = "exact" if action.startswith("offload") else CODECS[action.split(":", 1)[1]].expected_error
+        error = CODECS[action.split(":", 1)[1]].expected_error if action.startswith("compress:") else "exact"
         records[name] = StashRecord(action=action, owner=tensor.owner, nbytes=tensor.nbytes,
                                     stored_bytes=option.stored_bytes, shape=tuple(tensor.shape), dtype=tensor.dtype,
                                     expected_error=error,

@@ -50,14 +50,21 @@ class StashOption:
     Chosen for activation ``a``, it replaces ``a``'s held interval ``[hold_start, save_end]`` by
     ``stored_bytes`` on the device over ``[stored_from, save_end]`` (a compressed copy; 0 for offload) and
     the full ``a.nbytes`` over ``[restored_from, save_end]`` (prefetched or decompressed for backward).
-    Valid only while a kept saver holds ``a`` and no recomputed region holds it as an input.
+    Valid only while a kept saver holds ``a`` and no recomputed region holds it as an input, the ops in
+    ``needs_kept`` are kept and the activations in ``needs_unstashed`` are not stashed.
 
     Attributes:
-        action: ``"offload"``, ``"offload:late"`` (no prefetch) or ``"compress:<dtype>"``.
+        action: ``"offload"``, ``"offload:late"`` (no prefetch), ``"compress:<dtype>"``, or
+            ``"rematerialize"`` (dropped after forward, recomputed by its op from held inputs when backward
+            first needs it).
         stored_bytes: device bytes of the stored copy.
         stored_from: position where the stored copy is made (the first saver's forward).
         restored_from: position from which the full tensor is back on the device.
-        cost: extra cost, in ``Problem.cost`` units (exposed transfer time, casts, a lossiness penalty).
+        cost: extra cost, in ``Problem.cost`` units (exposed transfer time, casts, a lossiness penalty,
+            the op run again).
+        needs_kept: ops that must not be recomputed (a rematerialized tensor's op, and the savers that
+            keep its inputs on the device until its last use).
+        needs_unstashed: activations that must stay on the device (a rematerialized tensor's inputs).
     """
 
     action: str
@@ -65,6 +72,8 @@ class StashOption:
     stored_from: int
     restored_from: int
     cost: int
+    needs_kept: tuple[str, ...] = ()
+    needs_unstashed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

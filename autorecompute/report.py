@@ -15,7 +15,8 @@ from autorecompute.budget import format_bytes
 if TYPE_CHECKING:
     from autorecompute.plan import Plan
 
-COLORS = {"keep": "#b6d7a8", "recompute": "#f6b26b", "offload": "#9fc5e8", "compress": "#d5a6bd"}
+COLORS = {"keep": "#b6d7a8", "recompute": "#f6b26b", "rematerialize": "#ffe599", "offload": "#9fc5e8",
+          "compress": "#d5a6bd"}
 
 
 def color(action: str) -> str:
@@ -93,7 +94,7 @@ def plan_to_dot(plan: "Plan") -> str:
     for src, dst, nbytes in plan.edges:
         lines.append(f"  {_quote(src)} -> {_quote(dst)} [label={_quote(format_bytes(nbytes))}];")
     lines.append("  subgraph cluster_legend { label=\"legend\"; style=dashed;")
-    for action in ("keep", "recompute", "offload", "compress"):
+    for action in COLORS:
         if action in ("keep", "recompute") or plan.count(action):
             lines.append(f"    {_quote('legend: ' + action)} [label={_quote(action)}, fillcolor={_quote(COLORS[action])}];")
     lines.append("  }")
@@ -142,7 +143,7 @@ def plot_memory(plan: "Plan", path: str | None = None, ax=None):
                  colors=["#cccccc", "#e0e0e0", COLORS["keep"], COLORS["recompute"], COLORS["compress"]],
                  labels=["parameters, buffers, inputs", "gradients, temporaries, live activations",
                          "activations held for backward", "recomputed in backward",
-                         "compressed copies, prefetched and decompressed activations"], alpha=0.9)
+                         "compressed copies; restored, decompressed and rematerialized activations"], alpha=0.9)
     ax.plot(xs, [v / scale for v in t["baseline"]], color="black", lw=1, ls="--", label="unoptimized step")
     ax.axhline(plan.budget / scale, color="#cc0000", lw=1.5, label=f"budget {format_bytes(plan.budget)}")
     ax.axhline(plan.predicted_peak / scale, color="#cc0000", lw=0.8, ls=":",
@@ -161,7 +162,7 @@ def plot_memory(plan: "Plan", path: str | None = None, ax=None):
     ax.set_title(f"{plan.model_name or 'model'}: budget {format_bytes(plan.budget)}, "
                  f"{plan.count('recompute')} of {len(plan.decisions)} ops recomputed, "
                  f"+{100 * plan.extra_flops_ratio:.0f}% FLOPs"
-                 + (f", {len(plan.stash)} tensors offloaded/compressed" if plan.stash else ""))
+                 + (f", {len(plan.stash)} tensors offloaded/compressed/rematerialized" if plan.stash else ""))
     ax.legend(loc="upper right", fontsize=7, framealpha=0.9)
     if path:
         ax.figure.tight_layout()

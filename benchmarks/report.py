@@ -6,8 +6,16 @@ from pathlib import Path
 from autorecompute.budget import format_bytes
 
 
-def _sqrt_rows(rows, model):
-    return [r for r in rows if r["model"] == model and r["method"].startswith("sqrt_n") and r["peak"] is not None]
+def _reference(rows, summary, lowest: bool = False):
+    """The √N row a goal compares with: the issue's naive √N (checkpoint_sequential for sequential models,
+    articulation points otherwise), or the lowest-peak √N variant."""
+    method = summary["lowest_sqrt_n_method" if lowest else "sqrt_n_method"]
+    return next(r for r in rows if r["model"] == summary["model"] and r["method"] == method)
+
+
+def _at(rows, model, method):
+    found = [r for r in rows if r["model"] == model and r["method"] == method and r["peak"] is not None]
+    return found[0] if found else None
 
 
 def goals(rows: list[dict], summaries: list[dict]) -> list[tuple[str, str, str]]:
@@ -16,28 +24,31 @@ def goals(rows: list[dict], summaries: list[dict]) -> list[tuple[str, str, str]]
     lines, met = [], True
     for s in summaries:
         m = s["model"]
-        at = [r for r in rows if r["model"] == m and r["method"] == "autorecompute @ sqrt_n peak"]
-        ref = min(_sqrt_rows(rows, m), key=lambda r: r["peak"])
-        if not at or not ref["extra_flops"]:
-            met = False
-            lines.append(f"{m}: no point")
-            continue
-        ratio = at[0]["extra_flops"] / ref["extra_flops"]
-        met &= ratio <= 0.5 and at[0]["peak"] <= ref["peak"]
-        lines.append(f"{m} {ratio:.2f}x")
+        parts = []
+        for lowest, suffix in ((False, ""), (True, "lowest ")):
+            if lowest and s["lowest_sqrt_n_method"] == s["sqrt_n_method"]:
+                continue
+            at, ref = _at(rows, m, f"autorecompute @ {suffix}sqrt_n peak"), _reference(rows, s, lowest)
+            if at is None or not ref["extra_flops"]:
+                parts.append("no point")
+                met &= lowest
+                continue
+            ratio = at["extra_flops"] / ref["extra_flops"]
+            if not lowest:
+                met &= ratio <= 0.5 and at["peak"] <= ref["peak"]
+            parts.append(f"{ratio:.2f}x" if not lowest else f"vs articulation points {ratio:.2f}x")
+        lines.append(f"{m} " + " (".join(parts) + (")" if len(parts) > 1 else ""))
     out.append(("1. extra FLOPs at √N's peak ≤ 0.5× √N's", "met" if met else "not met", "; ".join(lines)))
-    lines, met = [], True
-    for s in summaries:
-        ratio = s["minimum_peak"] / s["sqrt_n_peak"]
-        met &= ratio <= 0.8
-        lines.append(f"{s['model']} {ratio:.2f}x")
-    out.append(("2a. recompute-only minimum peak ≤ 0.8× √N's", "met" if met else "not met", "; ".join(lines)))
-    lines, met = [], True
-    for s in summaries:
-        ratio = s["minimum_peak_offload"] / s["sqrt_n_peak"]
-        met &= ratio <= 0.5
-        lines.append(f"{s['model']} {ratio:.2f}x")
-    out.append(("2b. with offload ≤ 0.5× √N's", "met" if met else "not met", "; ".join(lines)))
+    for key, target, goal in (("minimum_peak", 0.8, "2a. recompute-only minimum peak ≤ 0.8× √N's"),
+                              ("minimum_peak_offload", 0.5, "2b. with offload ≤ 0.5× √N's")):
+        lines, met = [], True
+        for s in summaries:
+            ratio = s[key] / s["sqrt_n_peak"]
+            met &= ratio <= target
+            lowest = s[key] / s["lowest_sqrt_n_peak"]
+            lines.append(f"{s['model']} {ratio:.2f}x" + (f" (vs articulation points {lowest:.2f}x)"
+                                                          if s["lowest_sqrt_n_method"] != s["sqrt_n_method"] else ""))
+        out.append((goal, "met" if met else "not met", "; ".join(lines)))
     out.append(_compile_goal(rows))
     for method, target, goal in (("autorecompute", 1.8, "4. max batch ≥ 1.8× eager's (recompute only)"),
                                  ("autorecompute+offload", 3.0, "4b. max batch ≥ 3× with offload")):
@@ -55,11 +66,10 @@ def goals(rows: list[dict], summaries: list[dict]) -> list[tuple[str, str, str]]
     lines, met = [], True
     for s in summaries:
         m = s["model"]
-        at = [r for r in rows if r["model"] == m and r["method"] == "autorecompute @ sqrt_n peak"]
-        ref = min(_sqrt_rows(rows, m), key=lambda r: r["peak"])
+        at, ref = _at(rows, m, "autorecompute @ sqrt_n peak"), _reference(rows, s)
         if at:
-            met &= at[0]["wall_ratio"] <= ref["wall_ratio"]
-            lines.append(f"{m} {at[0]['wall_ratio']:.2f} vs {ref['wall_ratio']:.2f}")
+            met &= at["wall_ratio"] <= ref["wall_ratio"]
+            lines.append(f"{m} {at['wall_ratio']:.2f} vs {ref['wall_ratio']:.2f}")
     out.append(("5. wall-time ratio at √N's memory ≤ √N's", "met" if met else "not met", "; ".join(lines)))
     ours = [r for r in rows if r["method"].startswith("autorecompute") and r["peak"] is not None]
     lossless = [r for r in ours if "lossy" not in r["method"]]
@@ -120,7 +130,9 @@ def write_markdown(rows, summaries, seconds: float, quick: bool, path: Path) -> 
                         f"{r['grad_max_abs_diff']:.1e} | {r['status']} |")
         text.append(f"\nminimum peak: recompute only {format_bytes(s['minimum_peak'])}, with offload "
                     f"{format_bytes(s['minimum_peak_offload'])}, compress only (bfloat16) "
-                    f"{format_bytes(s['minimum_peak_compress'])}; lowest √N peak: {format_bytes(s['sqrt_n_peak'])}")
+                    f"{format_bytes(s['minimum_peak_compress'])}; √N peak ({s['sqrt_n_method']}, the goals' "
+                    f"reference): {format_bytes(s['sqrt_n_peak'])}; lowest √N peak ({s['lowest_sqrt_n_method']}): "
+                    f"{format_bytes(s['lowest_sqrt_n_peak'])}")
     text += ["", "## Why goals are missed", "",
              "* **FLOPs vs √N (1).** The solver minimizes FLOPs + 8 × bytes written + a per-region overhead (a "
              "CPU-realistic cost: elementwise ops cost memory traffic, which `FlopCounterMode` counts as 0), and "

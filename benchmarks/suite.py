@@ -220,7 +220,11 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
     reset()
     baseline = eager.peak
     reference_sqrt = [r for r in reference_sqrt if r is not None]
-    sqrt_peak = min(r["peak"] for r in reference_sqrt)
+    # the naive √N: checkpoint_sequential for sequential models (when it runs), the articulation-point
+    # segments otherwise; the lowest of both is reported beside it
+    reference = reference_sqrt[0]
+    lowest = min(reference_sqrt, key=lambda r: r["peak"])
+    sqrt_peak = reference["peak"]
     minimum = {}
     for tag, actions, points in (("autorecompute", RECOMPUTE, 3 if quick else 5),
                                  ("autorecompute+offload", OFFLOAD, 2 if quick else 3),
@@ -228,6 +232,8 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
         minimum[tag] = low = minimum_peak(case, limit, actions)
         budgets = [low + (baseline - low) * i // max(1, points - 1) for i in range(points)] if points > 1 else [low]
         extra = [(f"{tag} @ sqrt_n peak", sqrt_peak)] if actions != COMPRESS else []
+        if actions != COMPRESS and lowest is not reference:
+            extra.append((f"{tag} @ lowest sqrt_n peak", lowest["peak"]))
         for label, budget in [*[(tag, b) for b in budgets], *extra]:
             reset()
             started = time.perf_counter()
@@ -254,7 +260,9 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
                plan_time=time.perf_counter() - started, status=compiled.plan.solver_status)
     summary = {"model": name, "eager_peak": eager.peak, "minimum_peak": minimum["autorecompute"],
                "minimum_peak_offload": minimum["autorecompute+offload"],
-               "minimum_peak_compress": minimum["autorecompute compress:bfloat16 (lossy)"], "sqrt_n_peak": sqrt_peak}
+               "minimum_peak_compress": minimum["autorecompute compress:bfloat16 (lossy)"], "sqrt_n_peak": sqrt_peak,
+               "sqrt_n_method": reference["method"], "lowest_sqrt_n_peak": lowest["peak"],
+               "lowest_sqrt_n_method": lowest["method"]}
     if name in MAX_BATCH_MODELS and not quick or name == "gpt":
         reset()
         summary["max_batch"] = max_batch(case, eager.peak, limit)
@@ -280,6 +288,7 @@ def pareto_plot(name: str, rows: list[dict], path: Path) -> None:
                "sqrt_n articulation points": ("v", "#6fa8dc"), "per-block checkpoint": ("D", "#674ea7"),
                "per-block (HF gradient_checkpointing)": ("D", "#674ea7"), "autorecompute @ sqrt_n peak": ("*", "#cc0000"),
                "autorecompute+offload @ sqrt_n peak": ("*", "#1155cc"),
+               "autorecompute @ lowest sqrt_n peak": ("*", "#990000"),
                "autorecompute compress:bfloat16 (lossy)": ("x", "#a64d79")}
     for r in rows:
         if r["method"] in markers:

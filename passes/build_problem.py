@@ -85,6 +85,13 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
             for op in chain}
     backward_op = {num_forward + i: op for i, op in enumerate(profile.backward_events) if op in in_chain}
     options = {}
+    if recompute:
+        by_name = {act.name: act for act in activations}
+        for act in activations:
+            option = rematerialize_option(nodes.get(act.name), act, profile, by_name, recomputable,
+                                          backward_position, cost, num_forward, last)
+            if option is not None:
+                options[act.name] = (option,)
     if offload is not None or compress_dtypes:
         work = [cost.get(op, 0) for op in profile.order]
         work += [2 * cost.get(backward_op.get(p, ""), 0) for p in range(num_forward, num_positions)]
@@ -97,7 +104,7 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
                                       [node_info(nodes[s]).position for s in act.savers if s in nodes],
                                       [backward_position(s) for s in act.savers], last, offload, compress_dtypes)
                 if found:
-                    options[act.name] = found
+                    options[act.name] = options.get(act.name, ()) + found
     problem = Problem(
         chain=chain, recomputable=recomputable, cost=cost, flops={op: node_info(nodes[op]).flops for op in chain},
         activations=tuple(activations), fixed=tuple([0] * num_positions), num_forward=num_forward,
@@ -151,6 +158,53 @@ def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forw
             options.append(StashOption(f"compress:{name}", stored_bytes=stored, stored_from=pack,
                                        restored_from=first_use, cost=1 + cast_cost))
     return tuple(options)
+
+
+def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, activations: dict[str, Activation],
+                         recomputable: frozenset[str], backward_position, cost: dict[str, int], num_forward: int,
+                         last: int) -> StashOption | None:
+    """Dropping ``act`` after forward and running its op again, on its held inputs, when backward first
+    needs it — what a checkpointed region cannot do without recomputing the op that saved ``act`` too.
+
+    Offered for a kept op with one contiguous tensor output whose every activation input stays on the
+    device until ``act``'s last use: a saver of that input whose backward comes no earlier is kept (the
+    option names it in ``needs_kept``) and the input is not stashed (``needs_unstashed``). The runtime
+    holds references to the inputs, so this keeps them no longer than autograd does anyway. Random ops
+    replay the RNG state of their forward.
+    """
+    if node is None or node.op != "call_function" or act.owner != node.name or node.name not in recomputable:
+        return None
+    if not act.savers or act.save_end < act.hold_start:
+        return None
+    info = node_info(node)
+    value = node.meta.get("val")
+    # one output (tensors the op saves internally, a dropout mask, are made again as temporaries)
+    if info.creates[:1] != [act.name] or any(".saved" not in c for c in info.creates[1:]):
+        return None
+    if not isinstance(value, torch.Tensor) or not value.is_contiguous():
+        return None
+    if value.numel() * value.element_size() != act.nbytes:
+        return None
+    needs_kept, needs_unstashed = [node.name], []
+    for name in info.reads:
+        source = activations.get(name)
+        if source is None:
+            if name in profile.tensors and not profile.tensors[name].is_output and profile.tensors[name].nbytes:
+                return None        # an activation the plan does not track: its lifetime is unknown
+            continue               # graph outputs live to the end; parameters and inputs always
+        guards = [s for s in source.savers
+                  if (last if backward_position(s) is None else backward_position(s)) >= act.save_end]
+        if not guards:
+            return None            # the input is gone before the rematerialized tensor's last use
+        fixed = [s for s in guards if s not in recomputable]
+        if not fixed:
+            needs_kept.append(max(guards, key=lambda s: last if backward_position(s) is None else backward_position(s)))
+        needs_unstashed.append(name)
+    saver_backward = [backward_position(s) for s in act.savers]
+    first_use = max(num_forward, min((last if p is None else p) for p in saver_backward))
+    return StashOption("rematerialize", stored_bytes=0, stored_from=act.hold_start, restored_from=first_use,
+                       cost=cost[node.name], needs_kept=tuple(dict.fromkeys(needs_kept)),
+                       needs_unstashed=tuple(needs_unstashed))
 
 
 def _written_bytes(profile, node: torch.fx.Node) -> int:

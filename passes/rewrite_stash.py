@@ -3,7 +3,8 @@
 Runs after :func:`~autorecompute.passes.rewrite_recompute.rewrite_recompute` and decides nothing: for each
 activation the plan stashes it inserts, in the outer graph (see ``runtime/stash.py`` for what they do),
 
-* ``stash_offload`` / ``stash_compress`` (the cast) right after the value is made,
+* ``stash_offload`` / ``stash_compress`` (the cast) / ``stash_rematerialize`` (the recipe: the op and its
+  inputs) right after the value is made, and ``stash_rng_state`` right before it when the op is random,
 * ``stash_release`` right after the node that holds its last forward use,
 * ``stash_prefetch`` (offload only) after the value whose backward is the first at or after the plan's
   prefetch point — the copy back starts when backward gets there.
@@ -26,7 +27,8 @@ import torch.fx
 from autorecompute.passes.profile import NodeInfo, step_profile
 from autorecompute.passes.rewrite_recompute import REGION_MEMBERS, SOURCE
 from autorecompute.runtime.stash import (StashRuntime, stash_compress, stash_offload, stash_prefetch,
-                                         stash_release, stash_scope_begin, stash_scope_end)
+                                         stash_release, stash_rematerialize, stash_rng_state, stash_scope_begin,
+                                         stash_scope_end)
 
 RUNTIME = "stash_runtime"
 log = logging.getLogger("autorecompute")
@@ -118,12 +120,23 @@ def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_a
             # on the device (the verification measures that; the planner tightens if it matters)
             log.debug("stash of %s skipped: no value of the outer graph holds its storage", name)
             continue
+        if action == "rematerialize" and (value.op != "call_function" or value.name != name):
+            raise ValueError(f"{name!r} is rematerialized but its op is not a node of the outer graph "
+                             "(plan and graph disagree: the op must be kept)")
+        rng = None
+        if action == "rematerialize" and torch.Tag.nondeterministic_seeded in getattr(value.target, "tags", ()):
+            with graph.inserting_before(value):
+                rng = graph.call_function(stash_rng_state, (value.all_input_nodes[0],))
+            rng.name = f"rng_state_{value.name}"
         with graph.inserting_after(value):
-            if action.startswith("offload"):
+            if action == "rematerialize":
+                handle = graph.call_function(stash_rematerialize, (runtime_node, value, name, value.target,
+                                                                   value.args, value.kwargs, rng))
+            elif action.startswith("offload"):
                 handle = graph.call_function(stash_offload, (runtime_node, value, name))
             else:
                 handle = graph.call_function(stash_compress, (runtime_node, value, name, action.split(":", 1)[1]))
-        handle.name = f"{action.split(':')[0]}_{value.name}"   # offload_x, compress_x
+        handle.name = f"{action.split(':')[0]}_{value.name}"   # offload_x, compress_x, rematerialize_x
         last_use = runs_at.get(tensor.last_forward_use, value)
         after = last_use if position.get(last_use, -1) > position.get(value, -1) else handle
         with graph.inserting_after(after):

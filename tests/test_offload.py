@@ -36,7 +36,8 @@ def test_offload_goes_below_07_of_the_recompute_only_minimum(name, tmp_path):
         result = measured_step(compiled, model, case.args, case.kwargs, seed=1)
         assert result.peak <= budget, (name, budget, result.peak)
         assert_bitwise_equal(eager, result)
-        assert compiled.plan.count("offload") > 0
+        if budget < recompute_only:      # below what recomputation alone reaches, offload must be used
+            assert compiled.plan.count("offload") > 0
     assert os.listdir(tmp_path) == [] or all(not os.listdir(tmp_path / d) for d in os.listdir(tmp_path)), \
         "offload files are removed once backward is done"
 

@@ -79,7 +79,7 @@ def test_printed_plan_has_summary_and_a_folded_table(plan):
     assert len(rows) == len(plan.decisions)
     assert {"name", "module", "shape", "dtype", "bytes", "action", "why"} <= set(rows[0])
     by_action = plan.bytes_by_action()
-    assert set(by_action) <= {"keep", "recompute", "offload", "offload:late"}
+    assert set(by_action) <= {"keep", "recompute", "rematerialize", "offload", "offload:late"}
     # every held byte is accounted for once: kept, recomputed or moved off the device
     assert sum(by_action.values()) == sum(r["held_bytes"] for r in rows)
     actions = {r["name"]: r["action"] for r in rows}

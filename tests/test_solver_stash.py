@@ -1,4 +1,4 @@
-"""The offload and compress choices in the memory model and CP-SAT: brute force on tiny problems, and the
+"""The offload, compress and rematerialize choices in the memory model and CP-SAT: brute force on tiny problems, and the
 cheapest mix on hand-built cases (offload free when compute hides the copy, recompute cheaper otherwise)."""
 import itertools
 
@@ -52,6 +52,19 @@ def test_a_stash_needs_a_kept_saver():
     # op1 recomputed alone: t0 is its region's input, held by the checkpoint — offloading it does nothing
     assert effective_stash(p, {"op1": True}, {"t0": "offload"}) == {}
     assert extra_cost(p, {"op1": True}, {"t0": "offload"}) == extra_cost(p, {"op1": True})
+
+
+def test_rematerialize_needs_its_op_and_inputs_on_the_device():
+    p = two_layer(offload_cost=5, recompute_cost=100)
+    remat = StashOption("rematerialize", 0, 2, 4, 7, needs_kept=("op0", "op1"), needs_unstashed=("t1",))
+    p = Problem(**{**p.__dict__, "stash_options": {"t0": (remat,), "t1": (StashOption("offload", 0, 3, 3, 5),)}})
+    assert effective_stash(p, {}, {"t0": "rematerialize"}) == {"t0": "rematerialize"}
+    assert memory_timeline(p, {}, {"t0": "rematerialize"}) == [0, 0, 0, 100 * KIB, 100 * KIB, 0]
+    assert effective_stash(p, {"op0": True}, {"t0": "rematerialize"}) == {}           # its op recomputed
+    assert effective_stash(p, {}, {"t0": "rematerialize", "t1": "offload"}) == {"t1": "offload"}  # input away
+    result = cpsat.solve(p, budget=100 * KIB, minimize="cost", time_limit=5)
+    assert result.status == "optimal" and result.stash == {"t0": "rematerialize"}
+    assert extra_cost(p, result.recompute, result.stash) == 7
 
 
 def test_offload_chosen_when_the_copy_is_hidden():
@@ -120,6 +133,12 @@ def random_problems(draw):
                 if draw(st.booleans()):
                     opts.append(StashOption("compress:int8", nbytes // 4, min(int(s[2:]) for s in savers),
                                             first_use, draw(st.integers(1, 9))))
+                if draw(st.booleans()):     # made again by its op, which (and an input's saver) must be kept
+                    earlier = [a.name for a in acts if a.name != name]
+                    opts.append(StashOption(
+                        "rematerialize", 0, last_use + 1, first_use, draw(st.integers(1, 9)),
+                        needs_kept=(f"op{i}", *draw(st.sets(st.sampled_from(chain), max_size=1))),
+                        needs_unstashed=tuple(draw(st.sets(st.sampled_from(earlier), max_size=1))) if earlier else ()))
                 options[name] = tuple(opts)
     recomputable = frozenset(draw(st.sets(st.sampled_from(chain), min_size=1)))
     positions = 2 * n
@@ -132,8 +151,9 @@ def random_problems(draw):
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_problems())
-def test_cpsat_agrees_with_brute_force_over_all_four_actions(problem):
-    """Keep / recompute / offload / compress: CP-SAT's optimum equals brute force over the memory model."""
+def test_cpsat_agrees_with_brute_force_over_all_actions(problem):
+    """Keep / recompute / rematerialize / offload / compress: CP-SAT's optimum equals brute force over the
+    memory model."""
     decisions = list(all_decisions(problem))
     peaks = [predicted_peak(problem, r, s) for r, s in decisions]
     lowest = cpsat.solve(problem, minimize="peak", time_limit=5)

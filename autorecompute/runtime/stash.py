@@ -1,10 +1,13 @@
-"""Runtime of the offload and compress actions: saved-tensor hooks driven by nodes of the rewritten graph.
+"""Runtime of the offload, compress and rematerialize actions: saved-tensor hooks driven by graph nodes.
 
 The rewrite (``passes/rewrite_stash.py``) inserts, for every activation the plan stashes:
 
-* ``stash_offload(runtime, t, name)`` / ``stash_compress(runtime, t, name, dtype)`` right after ``t`` is
-  made: from then on, whenever autograd saves ``t`` (or a view of it) for a kept op's backward, the saved
-  copy is the stash — written to the offload tier, or encoded smaller — instead of ``t`` itself;
+* ``stash_offload(runtime, t, name)`` / ``stash_compress(runtime, t, name, dtype)`` /
+  ``stash_rematerialize(runtime, t, name, op, args, kwargs, rng)`` right after ``t`` is made: from then on,
+  whenever autograd saves ``t`` (or a view of it) for a kept op's backward, the saved copy is the stash —
+  written to the offload tier, encoded smaller, or nothing but the recipe ``op(*args, **kwargs)`` (run
+  again, with the RNG state ``stash_rng_state`` took before ``op``, when backward first needs ``t``) —
+  instead of ``t`` itself;
 * ``stash_release(handle)`` right after ``t``'s last forward use: waits for the copy out (it ran while
   the forward computed) and drops the device reference, so ``t``'s memory is free from here;
 * ``stash_prefetch(handle, trigger)`` right after ``trigger`` is made: when backward reaches
@@ -38,14 +41,16 @@ def _is_simulated(tensor: torch.Tensor) -> bool:
 class _Stash:
     """One stashed storage: its stored copy, and the restored tensor while backward needs it."""
 
-    def __init__(self, runtime: "StashRuntime", name: str, tensor: torch.Tensor, action: str):
+    def __init__(self, runtime: "StashRuntime", name: str, tensor: torch.Tensor, action: str, recipe=None):
         storage = tensor.untyped_storage()
         self.key = storage._cdata
         self.name, self.action = name, action
-        # "compress:<dtype>" encodes in place on the device; "offload"/"offload:late" go to the device's tier
+        # "compress:<dtype>" encodes in place on the device; "offload"/"offload:late" go to the device's tier;
+        # "rematerialize" stores nothing but the recipe (op, args, kwargs, rng state)
         compressed = action.startswith("compress:")
         self.codec = codec(action.split(":", 1)[1]) if compressed else None
-        self.tier = None if compressed else runtime.tier(tensor)
+        self.recipe = recipe
+        self.tier = None if compressed or recipe is not None else runtime.tier(tensor)
         self.dtype, self.device = tensor.dtype, tensor.device
         self.numel = storage.nbytes() // tensor.element_size()
         # the whole storage as one flat tensor: saved views of it are rebuilt over the restored copy
@@ -64,7 +69,9 @@ class _Stash:
         if self.started or self.flat is None:
             return
         with torch.no_grad():
-            if self.codec is not None:
+            if self.recipe is not None:
+                pass                   # the inputs the recipe holds are the stored copy
+            elif self.codec is not None:
                 source = self.flat.view(self.shape) if self.shape is not None else self.flat
                 self.stored = self.codec.encode(source)
             else:
@@ -83,7 +90,8 @@ class _Stash:
     # backward --------------------------------------------------------------------------------------
     def prefetch(self) -> None:
         """Starts bringing an offloaded tensor back (allocated now, on the compute stream)."""
-        if self.restored is not None or not self.started or self.refs == 0 or self.codec is not None:
+        if (self.restored is not None or not self.started or self.refs == 0 or self.codec is not None
+                or self.recipe is not None):
             return
         self.restored = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         self.back = self.tier.load(self.stored, self.restored, self.name)
@@ -92,7 +100,9 @@ class _Stash:
         if self.flat is not None:      # not released yet (a backward inside the forward): still on device
             return torch.as_strided(self._as(self.flat, dtype), size, stride, offset)
         if self.restored is None:
-            if self.codec is not None:
+            if self.recipe is not None:
+                self.restored = self._rematerialize()
+            elif self.codec is not None:
                 with torch.no_grad():
                     decoded = self.codec.decode(self.stored, self.dtype)
                 self.restored = decoded.reshape(-1)
@@ -103,6 +113,20 @@ class _Stash:
             self.back = None
         return torch.as_strided(self._as(self.restored, dtype), size, stride, offset)
 
+    def _rematerialize(self) -> torch.Tensor:
+        op, args, kwargs, rng = self.recipe
+        with torch.no_grad():
+            if rng is None:
+                out = op(*args, **kwargs)
+            else:       # a random op draws what it drew in forward
+                cpu, device, device_state = rng
+                with torch.random.fork_rng(devices=[device] if device is not None else [], enabled=True):
+                    torch.set_rng_state(cpu)
+                    if device is not None:
+                        torch.cuda.set_rng_state(device_state, device)
+                    out = op(*args, **kwargs)
+        return out.reshape(-1)
+
     def _as(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A saved view may have another dtype than the stash (``view_as_real``): its sizes count those."""
         return flat if dtype == flat.dtype else flat.view(dtype)
@@ -112,6 +136,7 @@ class _Stash:
         self.refs -= 1
         if self.refs == 0:
             self.restored = None
+            self.recipe = None         # its inputs may go when autograd lets them
             if self.out is not None:
                 try:
                     self.out.wait()    # never delete a file a write is still filling
@@ -238,11 +263,11 @@ class StashRuntime(torch.nn.Module):
         return step
 
 
-def _register(runtime: StashRuntime, tensor: torch.Tensor, name: str, action: str) -> _Stash:
+def _register(runtime: StashRuntime, tensor: torch.Tensor, name: str, action: str, recipe=None) -> _Stash:
     step = runtime.step()
     if not torch.is_grad_enabled() or not isinstance(tensor, torch.Tensor):
         return None
-    stash = _Stash(runtime, name, tensor, action)
+    stash = _Stash(runtime, name, tensor, action, recipe)
     step.register(stash)
     return stash
 
@@ -255,6 +280,21 @@ def stash_offload(runtime: StashRuntime, tensor: torch.Tensor, name: str) -> _St
 def stash_compress(runtime: StashRuntime, tensor: torch.Tensor, name: str, dtype: str) -> _Stash | None:
     """Graph node (a cast): from here, what autograd saves of ``tensor`` is kept encoded as ``dtype``."""
     return _register(runtime, tensor, name, f"compress:{dtype}")
+
+
+def stash_rng_state(like: torch.Tensor) -> tuple:
+    """Graph node right before a random op whose output is rematerialized: the RNG state it draws from
+    (CPU, and ``like``'s CUDA device when there is one)."""
+    device = like.device if isinstance(like, torch.Tensor) and like.device.type == "cuda" else None
+    return torch.get_rng_state(), device, (torch.cuda.get_rng_state(device) if device is not None else None)
+
+
+def stash_rematerialize(runtime: StashRuntime, tensor: torch.Tensor, name: str, op, args: tuple, kwargs: dict,
+                        rng: tuple | None = None) -> _Stash | None:
+    """Graph node: from here, what autograd saves of ``tensor`` is the recipe ``op(*args, **kwargs)``;
+    backward runs it again (replaying ``rng``) when it first needs ``tensor``. The inputs it holds stay on
+    the device no longer than autograd keeps them anyway (the planner checks that)."""
+    return _register(runtime, tensor, name, "rematerialize", (op, tuple(args), dict(kwargs), rng))
 
 
 def stash_release(runtime: StashRuntime, handle: _Stash | None) -> None:

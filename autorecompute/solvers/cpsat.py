@@ -161,7 +161,7 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
         starts.setdefault(start, []).append(units * literal)
         ends.setdefault(end, []).append(units * literal)
 
-    # Variables: x[a, action] = 1 if activation a is stashed that way (offloaded or compressed).
+    # Variables: x[a, action] = 1 if activation a is stashed that way (offloaded, compressed, rematerialized).
     x = {(act.name, option.action): model.new_bool_var(f"stash[{act.name},{option.action}]")
          for act in problem.activations if act.savers and act.save_end >= act.hold_start
          for option in problem.stash_options.get(act.name, ())}
@@ -206,6 +206,15 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
                     model.add_implication(var, ~as_input)
                     if not any(isinstance(k, int) for k in saver_kept):
                         model.add_bool_or([~var, *saver_kept])
+                    # a rematerialized tensor needs its op and its inputs' savers kept
+                    for op in option.needs_kept:
+                        if op in r:
+                            model.add_implication(var, ~r[op])
+                    # ... and its inputs on the device
+                    for name in option.needs_unstashed:
+                        for other in problem.stash_options.get(name, ()):
+                            if (name, other.action) in x:
+                                model.add_implication(var, ~x[(name, other.action)])
                     add_piece(option.stored_from, act.save_end, option.stored_bytes, var)
                     add_piece(option.restored_from, act.save_end, act.nbytes, var)
             # on the device from the last forward use to the last saver's backward, unless stashed

@@ -38,25 +38,38 @@ def segment_plan(problem: Problem, segments: int) -> dict[str, bool]:
     return recompute
 
 
-def stash_all(problem: Problem, recompute: dict[str, bool], prefer: str = "memory") -> dict[str, str]:
+def stash_all(problem: Problem, recompute: dict[str, bool], prefer: str = "memory",
+              only: str | None = None) -> dict[str, str]:
     """Every held activation stashed: the way that leaves the fewest bytes on the device over time
-    (``prefer="memory"``), or the cheapest way (``prefer="cost"``)."""
-    choices = {}
+    (``prefer="memory"``), or the cheapest way (``prefer="cost"``); only with action ``only`` if given.
+    A rematerialization whose inputs end up stashed falls back to the activation's next best way."""
+    ranked: dict[str, list] = {}
     for act in problem.activations:
-        options = problem.stash_options.get(act.name, ())
+        options = [o for o in problem.stash_options.get(act.name, ()) if only is None or o.action == only]
         if options:
             def device_bytes(o):
                 return o.stored_bytes * (act.save_end - o.stored_from + 1) + act.nbytes * (act.save_end - o.restored_from + 1)
             key = (lambda o: (device_bytes(o), o.cost)) if prefer == "memory" else (lambda o: (o.cost, device_bytes(o)))
-            choices[act.name] = min(options, key=key).action
-    return effective_stash(problem, recompute, choices)
+            ranked[act.name] = sorted(options, key=key)
+    choices = {name: options[0] for name, options in ranked.items()}
+    for name, options in ranked.items():
+        if any(n in choices for n in choices[name].needs_unstashed):
+            fallback = [o for o in options if not o.needs_unstashed]
+            if fallback:
+                choices[name] = fallback[0]
+            else:
+                del choices[name]
+    return effective_stash(problem, recompute, {name: o.action for name, o in choices.items()})
 
 
 def candidates(problem: Problem, max_segments: int = 64) -> list[Decisions]:
     keep_all = {op: False for op in problem.recomputable}
     n = max(1, min(max_segments, len(problem.recomputable)))
     plans = [keep_all] + [segment_plan(problem, k) for k in range(1, n + 1)]
-    with_stash = [(r, stash_all(problem, r, prefer)) for r in plans for prefer in ("memory", "cost")
+    ways = [("memory", None), ("cost", None)]
+    if any(o.action == "rematerialize" for options in problem.stash_options.values() for o in options):
+        ways.append(("cost", "rematerialize"))
+    with_stash = [(r, stash_all(problem, r, prefer, only)) for r in plans for prefer, only in ways
                   ] if problem.stash_options else []
     return [(r, {}) for r in plans] + [(r, s) for r, s in with_stash if s]
 

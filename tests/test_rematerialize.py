@@ -1,0 +1,96 @@
+"""Rematerialize: a saved activation dropped after forward and made again by its own op — on inputs that
+autograd holds anyway — when backward first needs it. Unlike a checkpointed region, the op that saved it
+is not run again."""
+import torch
+import torch.nn as nn
+
+import autorecompute
+from autorecompute.passes.build_problem import build_problem
+from autorecompute.passes.capture import capture
+from autorecompute.passes.profile import profile_step
+from autorecompute.passes.rewrite_recompute import rewrite_recompute
+from autorecompute.passes.rewrite_stash import rewrite_stash
+from autorecompute.planner import _decisions, clone_graph_module
+from autorecompute.runtime.stash import StashedModule, StashRuntime
+from harness import measured_step
+
+
+class AttentionLike(nn.Module):
+    """Linear → softmax → dropout → linear, three times: the dropout output is saved by the next linear,
+    its input by the softmax (which saves its output)."""
+
+    def __init__(self, d: int = 64, blocks: int = 3):
+        super().__init__()
+        self.inp = nn.ModuleList(nn.Linear(d, d) for _ in range(blocks))
+        self.out = nn.ModuleList(nn.Linear(d, d) for _ in range(blocks))
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        for a, b in zip(self.inp, self.out):
+            x = b(self.drop(a(x).softmax(-1)))
+        return x
+
+
+def planned(model, x):
+    gm = capture(model, (x,), {})
+    profile_step(gm, (x,), {})
+    return gm, build_problem(gm)
+
+
+def with_stash(gm, problem, stash):
+    rewritten = rewrite_recompute(clone_graph_module(gm), _decisions(problem, {}))
+    return StashedModule(rewrite_stash(rewritten, stash, {}, StashRuntime()))
+
+
+def test_offered_only_when_the_inputs_stay_on_the_device():
+    torch.manual_seed(0)
+    gm, problem = planned(AttentionLike(), torch.randn(256, 64))
+    remat = {name: o for name, opts in problem.stash_options.items() for o in opts if o.action == "rematerialize"}
+    dropouts = [n.name for n in gm.graph.nodes if "dropout" in n.name and n.op == "call_function"]
+    softmaxes = [n.name for n in gm.graph.nodes if "softmax" in n.name and n.op == "call_function"]
+    for dropout, softmax in zip(dropouts, softmaxes):
+        # the softmax keeps its output (the dropout's input) for its own backward, which comes later
+        assert remat[dropout].needs_kept == (dropout, softmax)
+        assert remat[dropout].needs_unstashed == (softmax,)
+        assert remat[dropout].stored_bytes == 0
+        # the softmax's own input (a linear output) is saved by nobody: the softmax cannot be made again
+        assert softmax not in remat
+
+
+def test_dropout_output_made_again_with_the_same_mask():
+    torch.manual_seed(0)
+    model = AttentionLike()
+    x = torch.randn(256, 64)
+    gm, problem = planned(model, x)
+    dropouts = [n.name for n in gm.graph.nodes if "dropout" in n.name and n.op == "call_function"]
+    module = with_stash(gm, problem, {name: "rematerialize" for name in dropouts})
+    code = module.graph_module.code
+    assert code.count("stash_rematerialize(") == 3 and code.count("stash_rng_state(") == 3
+    eager = measured_step(model, model, (x,), {}, seed=1)
+    for p in model.parameters():
+        p.grad = None
+    result = measured_step(module, model, (x,), {}, seed=1)
+    for name, grad in eager.grads.items():
+        assert torch.equal(grad, result.grads[name]), name       # same masks: bitwise equal gradients
+    # two of the three dropout outputs are off the device at the start of backward (the last is needed now)
+    assert result.peak <= eager.peak - 2 * 256 * 64 * 4
+
+
+def test_solver_chooses_it_and_the_budget_holds():
+    """A GELU MLP: the GELU output, saved by the next linear, is made again from the linear output the
+    GELU saves anyway — cheaper than recomputing a region, which would run the linear again too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(8)])
+    x = torch.randn(512, 128)
+    eager = measured_step(model, model, (x,), {}, seed=1)
+    for p in model.parameters():
+        p.grad = None
+    compiled = autorecompute.compile(model, budget=0.8, actions=("recompute",), solver_time_limit=2)
+    plan = compiled.prepare(x)
+    assert plan.count("rematerialize") > 0
+    assert "stash_rematerialize(" in compiled.graph_module.code
+    assert plan.bytes_by_action()["rematerialize"] > 0 and "rematerialize" in plan.summary()
+    result = measured_step(compiled, model, (x,), {}, seed=1)
+    assert result.peak <= plan.budget
+    for name, grad in eager.grads.items():
+        assert torch.equal(grad, result.grads[name]), name
