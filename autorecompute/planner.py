@@ -143,7 +143,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     transfer = options.transfer or default_for(_device_type(args, kwargs))
     problem = build_problem(gm, recompute="recompute" in options.actions,
                             offload=transfer if "offload" in options.actions else None,
-                            compress_dtypes=options.dtypes)
+                            compress_dtypes=options.dtypes, device=transfer)
     log.debug("profile + problem: %.2f s, %d ops in chain, %d recomputable, %d activations, %d stashable",
               time.perf_counter() - t, len(problem.chain), len(problem.recomputable), len(problem.activations),
               len(problem.stash_options))

@@ -1,4 +1,5 @@
-"""Throughputs the cost model turns bytes and FLOPs into time with (offload transfers against compute).
+"""Throughputs the cost model turns FLOPs, bytes and calls into time with: what recomputing an op costs, and
+what an offload transfer costs against the compute that can hide it.
 
 Defaults are conservative figures for each device, not measured: plans stay reproducible from machine to
 machine. :func:`measure` times the disk tier and a matmul on this machine once and caches the result.
@@ -14,23 +15,32 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class TransferModel:
-    """How fast the device computes and how fast activations go out to and come back from the offload tier.
+    """How fast the device computes, runs memory-bound ops and calls, and how fast activations go out to and
+    come back from the offload tier. Costs are in FLOP-equivalents: seconds × ``flops_per_second``.
 
     Attributes:
         flops_per_second: sustained compute (FLOP-equivalents of ``Problem.cost``) per second.
         write_bytes_per_second: device → offload tier.
         read_bytes_per_second: offload tier → device.
         per_transfer_seconds: fixed overhead of one transfer (hooks, file or stream bookkeeping).
+        memory_bytes_per_second: bytes a memory-bound op (elementwise, norm, softmax) writes per second.
+        random_bytes_per_second: bytes a random op (dropout) writes per second, drawing its numbers.
+        op_seconds: fixed cost of running one op again (dispatch, launch).
+        region_seconds: fixed cost of one recomputed region (a checkpoint call: hooks, RNG state, replay).
     """
 
     flops_per_second: float
     write_bytes_per_second: float
     read_bytes_per_second: float
     per_transfer_seconds: float
+    memory_bytes_per_second: float = 4e9
+    random_bytes_per_second: float = 0.25e9
+    op_seconds: float = 10e-6
+    region_seconds: float = 400e-6
 
     def __post_init__(self):
         for name, value in asdict(self).items():
-            if not value >= 0 or (name != "per_transfer_seconds" and not value > 0):
+            if not value >= 0 or (not name.endswith("seconds") and not value > 0):
                 raise ValueError(f"TransferModel.{name}={value!r} must be a positive number")
 
     def seconds_to_cost(self, seconds: float) -> int:
@@ -40,12 +50,17 @@ class TransferModel:
         return cost / self.flops_per_second
 
 
-# CPU: 2 cores reach ~80 GFLOP/s on matmuls, a file in the page cache ~1 GB/s each way (measured here).
-CPU_DISK = TransferModel(flops_per_second=50e9, write_bytes_per_second=1e9, read_bytes_per_second=1e9,
-                         per_transfer_seconds=50e-6)
-# CUDA: PCIe Gen4/5 pinned copies ~20 GB/s each way; a large GPU sustains ~100 TFLOP/s in bf16 matmuls.
+# CPU (measured on the 2-core CI machine, torch 2.14): ~100 GFLOP/s on mid-sized matmuls, a file in the page
+# cache ~1 GB/s each way, GELU writes ~4 GB/s after ~10 µs of dispatch, dropout ~0.25 GB/s (bernoulli), a
+# non-reentrant checkpoint call ~430 µs of forward + backward overhead.
+CPU_DISK = TransferModel(flops_per_second=100e9, write_bytes_per_second=1e9, read_bytes_per_second=1e9,
+                         per_transfer_seconds=50e-6, memory_bytes_per_second=4e9, random_bytes_per_second=0.25e9,
+                         op_seconds=10e-6, region_seconds=400e-6)
+# CUDA: PCIe Gen4/5 pinned copies ~20 GB/s each way; a large GPU sustains ~100 TFLOP/s in bf16 matmuls and
+# ~2 TB/s in elementwise kernels (Philox dropout about as fast); a launch from eager Python ~10 µs.
 CUDA_HOST = TransferModel(flops_per_second=100e12, write_bytes_per_second=20e9, read_bytes_per_second=20e9,
-                          per_transfer_seconds=20e-6)
+                          per_transfer_seconds=20e-6, memory_bytes_per_second=1e12, random_bytes_per_second=1e12,
+                          op_seconds=10e-6, region_seconds=200e-6)
 
 
 def default_for(device_type: str) -> TransferModel:
@@ -80,8 +95,13 @@ def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | N
     for _ in range(8):
         a @ a
     flops = 8 * 2 * 1024**3 / (time.perf_counter() - started)
+    # the memory-bound and call costs scale with the compute measured here, relative to the defaults
+    scale = flops / CPU_DISK.flops_per_second
     model = TransferModel(flops_per_second=flops, write_bytes_per_second=nbytes / write,
-                          read_bytes_per_second=nbytes / read, per_transfer_seconds=CPU_DISK.per_transfer_seconds)
+                          read_bytes_per_second=nbytes / read, per_transfer_seconds=CPU_DISK.per_transfer_seconds,
+                          memory_bytes_per_second=CPU_DISK.memory_bytes_per_second * scale,
+                          random_bytes_per_second=CPU_DISK.random_bytes_per_second * scale,
+                          op_seconds=CPU_DISK.op_seconds / scale, region_seconds=CPU_DISK.region_seconds / scale)
     os.makedirs(os.path.dirname(cache), exist_ok=True)
     with open(cache, "w") as f:
         json.dump(asdict(model), f)

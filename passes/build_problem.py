@@ -15,10 +15,8 @@ from autorecompute.passes.capture import is_mutating
 from autorecompute.passes.profile import TensorInfo, node_info, step_profile
 from autorecompute.problem import Activation, Problem, StashOption
 from autorecompute.runtime.codecs import codec
-from autorecompute.transfer import TransferModel
+from autorecompute.transfer import CPU_DISK, TransferModel
 
-BYTES_COST_WEIGHT = 8   # cost of recomputing an op: FLOPs + this many per byte it writes (memory-bound ops)
-REGION_COST = 2**22     # cost of one recomputed region: a checkpoint call's overhead, in FLOP-equivalents
 LOSSY_COST = {"bfloat16": 1, "float16": 1, "float8": 2, "int8": 2}   # per byte compressed: prefer exact dtypes
 MAX_PREFETCH_LEAD = 8   # backward positions a prefetch may start before the first use
 
@@ -40,15 +38,30 @@ def is_recomputable(node: torch.fx.Node, output_tensors: set[str]) -> bool:
     return True
 
 
+def is_random(node: torch.fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def recompute_cost(node: torch.fx.Node, written: int, device: TransferModel) -> int:
+    """Running ``node`` again, in FLOP-equivalents: its FLOPs, the bytes it writes at the device's
+    memory-bound speed (its random numbers, for a random op), and one call."""
+    seconds = device.op_seconds + written / device.memory_bytes_per_second
+    if is_random(node):
+        seconds += written / device.random_bytes_per_second
+    return 1 + node_info(node).flops + device.seconds_to_cost(seconds)
+
+
 def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: TransferModel | None = None,
-                  compress_dtypes: tuple[str, ...] = ()) -> Problem:
+                  compress_dtypes: tuple[str, ...] = (), device: TransferModel | None = None) -> Problem:
     """The planning problem of a graph that :func:`~autorecompute.passes.profile.profile_step` annotated.
 
     Args:
-        recompute: whether ops may be recomputed.
+        recompute: whether ops may be recomputed (in regions, or one at a time: ``rematerialize``).
         offload: the transfer model when activations may be offloaded (None: they may not).
         compress_dtypes: the dtypes activations may be compressed to (see ``runtime/codecs.py``).
+        device: the speeds recompute costs are computed with (None: ``offload``'s, else the CPU's).
     """
+    device = device or offload or CPU_DISK
     profile = step_profile(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
     outputs = {name for name, t in profile.tensors.items() if t.is_output}
@@ -81,8 +94,7 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
 
     measured = [profile.resident_bytes + p for p in profile.forward_peaks]
     measured += [profile.resident_bytes + p for p in profile.backward_peaks]
-    cost = {op: 1 + node_info(nodes[op]).flops + BYTES_COST_WEIGHT * _written_bytes(profile, nodes[op])
-            for op in chain}
+    cost = {op: recompute_cost(nodes[op], _written_bytes(profile, nodes[op]), device) for op in chain}
     backward_op = {num_forward + i: op for i, op in enumerate(profile.backward_events) if op in in_chain}
     options = {}
     if recompute:
@@ -102,20 +114,21 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
             if stashable:
                 found = stash_options(profile.tensors[act.name], act, work, num_forward,
                                       [node_info(nodes[s]).position for s in act.savers if s in nodes],
-                                      [backward_position(s) for s in act.savers], last, offload, compress_dtypes)
+                                      [backward_position(s) for s in act.savers], last, offload, compress_dtypes,
+                                      device)
                 if found:
                     options[act.name] = options.get(act.name, ()) + found
     problem = Problem(
         chain=chain, recomputable=recomputable, cost=cost, flops={op: node_info(nodes[op]).flops for op in chain},
         activations=tuple(activations), fixed=tuple([0] * num_positions), num_forward=num_forward,
-        backward_op=backward_op, bytes_at_rest=dict(profile.resident), region_cost=REGION_COST,
+        backward_op=backward_op, bytes_at_rest=dict(profile.resident), region_cost=device.seconds_to_cost(device.region_seconds),
         stash_options=options)
     return calibrate(problem, measured)
 
 
 def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forward: int, saver_positions: list[int],
                   saver_backward: list[int | None], last: int, offload: TransferModel | None,
-                  compress_dtypes: tuple[str, ...]) -> tuple[StashOption, ...]:
+                  compress_dtypes: tuple[str, ...], device: TransferModel = CPU_DISK) -> tuple[StashOption, ...]:
     """The ways ``act`` may be stashed, with their cost.
 
     Offload: the copy out runs from the first save to the last forward use and the copy back from the
@@ -154,7 +167,8 @@ def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forw
         chosen = codec(name)
         if whole and chosen.accepts(dtype):
             stored = chosen.stored_bytes(tensor.shape)
-            cast_cost = BYTES_COST_WEIGHT * (stored + act.nbytes) + LOSSY_COST[name] * act.nbytes
+            cast_cost = (device.seconds_to_cost(2 * device.op_seconds + (stored + act.nbytes) / device.memory_bytes_per_second)
+                         + LOSSY_COST[name] * act.nbytes)
             options.append(StashOption(f"compress:{name}", stored_bytes=stored, stored_from=pack,
                                        restored_from=first_use, cost=1 + cast_cost))
     return tuple(options)

@@ -5,6 +5,9 @@ activation the plan stashes it inserts, in the outer graph (see ``runtime/stash.
 
 * ``stash_offload`` / ``stash_compress`` (the cast) / ``stash_rematerialize`` (the recipe: the op and its
   inputs) right after the value is made, and ``stash_rng_state`` right before it when the op is random,
+* ``stash_watch`` before the node that makes it (saves until its stash node are taken over),
+* ``stash_hooks_on`` / ``stash_hooks_off`` around every kept op that saves it: saved-tensor hooks run
+  only there (and between ``stash_watch`` and the stash node, and in a stash scope),
 * ``stash_release`` right after the node that holds its last forward use,
 * ``stash_prefetch`` (offload only) after the value whose backward is the first at or after the plan's
   prefetch point — the copy back starts when backward gets there.
@@ -24,11 +27,12 @@ from typing import Mapping
 import torch
 import torch.fx
 
+from autorecompute.passes.build_problem import is_random
 from autorecompute.passes.profile import NodeInfo, step_profile
 from autorecompute.passes.rewrite_recompute import REGION_MEMBERS, SOURCE
 from autorecompute.runtime.stash import (StashRuntime, stash_compress, stash_offload, stash_prefetch,
                                          stash_release, stash_rematerialize, stash_rng_state, stash_scope_begin,
-                                         stash_scope_end)
+                                         stash_scope_end, stash_hooks_off, stash_hooks_on, stash_watch)
 
 RUNTIME = "stash_runtime"
 log = logging.getLogger("autorecompute")
@@ -111,6 +115,7 @@ def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_a
         for name in names:
             prefetch(name, end, node, name)
 
+    savers: set[torch.fx.Node] = set()
     for name in sorted((n for n in stash if ".saved" not in n), key=lambda n: profile.tensors[n].birth):
         action = stash[name]
         value = value_of.get(name) or _visible_view(outer, name)
@@ -123,8 +128,13 @@ def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_a
         if action == "rematerialize" and (value.op != "call_function" or value.name != name):
             raise ValueError(f"{name!r} is rematerialized but its op is not a node of the outer graph "
                              "(plan and graph disagree: the op must be kept)")
+        producer = runs_at.get(tensor.birth, value)
+        if position.get(producer, -1) > position.get(value, -1):
+            producer = value
+        with graph.inserting_before(producer):
+            graph.call_function(stash_watch, (runtime_node,))
         rng = None
-        if action == "rematerialize" and torch.Tag.nondeterministic_seeded in getattr(value.target, "tags", ()):
+        if action == "rematerialize" and is_random(value):
             with graph.inserting_before(value):
                 rng = graph.call_function(stash_rng_state, (value.all_input_nodes[0],))
             rng.name = f"rng_state_{value.name}"
@@ -142,6 +152,12 @@ def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_a
         with graph.inserting_after(after):
             graph.call_function(stash_release, (runtime_node, handle))
         prefetch(name, handle, value)
+        savers.update(value_of[s] for s in tensor.savers if s in value_of and value_of[s].name == s)
+    for saver in savers:        # autograd saves the stashed tensors through the hooks only here
+        with graph.inserting_before(saver):
+            graph.call_function(stash_hooks_on, (runtime_node,))
+        with graph.inserting_after(saver):
+            graph.call_function(stash_hooks_off, (runtime_node, saver))
     graph.lint()
     gm.recompile()
     return gm

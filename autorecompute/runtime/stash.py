@@ -175,15 +175,28 @@ class _Step:
         self.stashes: dict[int, _Stash] = {}                        # storage key → stash (registered)
         self.saved: dict[int, list[weakref.ref]] = {}               # storage key → refs saved before that
         self.scope: list[tuple[int, _SavedRef]] | None = None       # saves of the op in a stash scope
+        self.watching = 0      # stashes announced (stash_watch) and not registered yet: wrap what is saved
+        self.hooked = 0        # saved-tensor hooks this step pushed and has not popped yet
+
+    def hooks_on(self) -> None:
+        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+        self.hooked += 1
+
+    def hooks_off(self) -> None:
+        if self.hooked:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self.hooked -= 1
 
     def pack(self, tensor: torch.Tensor):
+        if tensor.is_leaf and tensor.requires_grad and self.scope is None:
+            return tensor          # parameters (and inputs that require grad): never stashed
         try:
             key = tensor.untyped_storage()._cdata
         except (RuntimeError, NotImplementedError):
             return tensor          # no plain storage (sparse, nested): never an activation the plan stashes
         stash = self.stashes.get(key)
-        if stash is None and tensor.is_leaf and self.scope is None:
-            return tensor          # parameters and inputs: never stashed, not worth a wrapper
+        if stash is None and self.scope is None and (not self.watching or tensor.is_leaf):
+            return tensor          # nothing stashes this storage: autograd keeps the tensor, no Python object
         ref = _SavedRef(tensor)
         if stash is not None:
             ref.attach(stash)
@@ -245,14 +258,18 @@ class StashRuntime(torch.nn.Module):
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """Saved-tensor hooks for one forward call of the rewritten module."""
+        """The hook state of one forward call of the rewritten module. The graph's nodes switch the
+        saved-tensor hooks on only around the ops that make or save a stashed tensor (``stash_watch`` …
+        its stash node, ``stash_hooks_on`` … ``stash_hooks_off``, a stash scope): every other saved tensor
+        is left to autograd with no Python call."""
         step = _Step()
         previous = getattr(self._local, "step", None)
         self._local.step = step
         try:
-            with torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack):
-                yield
+            yield
         finally:
+            while step.hooked:         # an op raised inside a window: leave autograd's hook stack as it was
+                step.hooks_off()
             self._local.step = previous
 
     def step(self) -> _Step:
@@ -265,11 +282,32 @@ class StashRuntime(torch.nn.Module):
 
 def _register(runtime: StashRuntime, tensor: torch.Tensor, name: str, action: str, recipe=None) -> _Stash:
     step = runtime.step()
+    step.watching = max(0, step.watching - 1)
+    step.hooks_off()
     if not torch.is_grad_enabled() or not isinstance(tensor, torch.Tensor):
         return None
     stash = _Stash(runtime, name, tensor, action, recipe)
     step.register(stash)
     return stash
+
+
+def stash_watch(runtime: StashRuntime) -> None:
+    """Graph node before the op that makes a stashed tensor: what autograd saves until the tensor's stash
+    node runs (the op saving its own output, say) is wrapped, so the stash can take it over. Outside these
+    windows saved tensors are left to autograd as they are: a stash costs nothing to the other tensors."""
+    step = runtime.step()
+    step.watching += 1
+    step.hooks_on()
+
+
+def stash_hooks_on(runtime: StashRuntime) -> None:
+    """Graph node before an op that saves a stashed tensor: its saves go through the stash hooks."""
+    runtime.step().hooks_on()
+
+
+def stash_hooks_off(runtime: StashRuntime, _after=None) -> None:
+    """Graph node after that op (``_after``, its output, orders the node after it)."""
+    runtime.step().hooks_off()
 
 
 def stash_offload(runtime: StashRuntime, tensor: torch.Tensor, name: str) -> _Stash | None:
@@ -310,6 +348,7 @@ def stash_scope_begin(runtime: StashRuntime, *inputs: torch.Tensor) -> frozenset
     statistics) are stashed: its saves are collected until :func:`stash_scope_end`."""
     step = runtime.step()
     step.scope = []
+    step.hooks_on()
     return frozenset(t.untyped_storage()._cdata for t in inputs if isinstance(t, torch.Tensor))
 
 
@@ -319,6 +358,7 @@ def stash_scope_end(runtime: StashRuntime, input_keys: frozenset[int], output, i
     autograd saved them, the op's ``internal`` tensors (the profile's names); those in ``actions`` are
     stashed at once, and an offloaded one leaves the device when its copy is written."""
     step = runtime.step()
+    step.hooks_off()
     saves, step.scope = step.scope or [], None
     outputs = output if isinstance(output, (tuple, list)) else (output,)
     skip = set(input_keys) | {t.untyped_storage()._cdata for t in outputs if isinstance(t, torch.Tensor)}

@@ -62,6 +62,31 @@ def stash_all(problem: Problem, recompute: dict[str, bool], prefer: str = "memor
     return effective_stash(problem, recompute, {name: o.action for name, o in choices.items()})
 
 
+def span_plans(problem: Problem, max_cuts: int = 24, max_segments: int = 3) -> list[dict[str, bool]]:
+    """√N-style plans over part of the chain, as ``checkpoint_sequential`` does over a prefix: the ops
+    between two articulation points (cuts every path goes through) in 1 to ``max_segments`` regions, the
+    rest kept. Few regions: cheap in calls, and in memory where the span's activations dominate."""
+    from autorecompute.solvers.baselines import articulation_ops
+
+    cuts = articulation_ops(problem)
+    if len(cuts) > max_cuts:       # evenly spaced ones: the candidates stay O(max_cuts²)
+        cuts = [cuts[round(i * (len(cuts) - 1) / (max_cuts - 1))] for i in range(max_cuts)]
+    index = problem.index()
+    plans = []
+    for a in range(len(cuts)):
+        for b in range(a + 1, len(cuts)):
+            inside = [op for op in problem.chain[index[cuts[a]] + 1:index[cuts[b]]] if op in problem.recomputable]
+            if not inside:
+                continue
+            for k in range(1, min(max_segments, len(inside)) + 1):
+                # k regions of about equal length, split by keeping the last op of each
+                kept = {inside[len(inside) * j // k - 1] for j in range(1, k)}
+                plan = {op: False for op in problem.recomputable}
+                plan.update({op: op not in kept for op in inside})
+                plans.append(plan)
+    return plans
+
+
 def candidates(problem: Problem, max_segments: int = 64) -> list[Decisions]:
     keep_all = {op: False for op in problem.recomputable}
     n = max(1, min(max_segments, len(problem.recomputable)))
@@ -71,7 +96,7 @@ def candidates(problem: Problem, max_segments: int = 64) -> list[Decisions]:
         ways.append(("cost", "rematerialize"))
     with_stash = [(r, stash_all(problem, r, prefer, only)) for r in plans for prefer, only in ways
                   ] if problem.stash_options else []
-    return [(r, {}) for r in plans] + [(r, s) for r, s in with_stash if s]
+    return [(r, {}) for r in plans + span_plans(problem)] + [(r, s) for r, s in with_stash if s]
 
 
 _SCORED: dict[int, tuple[Problem, list]] = {}
