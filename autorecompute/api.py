@@ -122,16 +122,18 @@ class CompiledModule(torch.nn.Module):
         return self._planned(args, kwargs).module(*args, **kwargs)
 
 
-def _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed) -> PlannerOptions:
+def _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective) -> PlannerOptions:
     return PlannerOptions(actions=tuple(actions) if not isinstance(actions, str) else actions,
                           compress_dtypes=None if compress_dtypes is None else
                           (tuple(compress_dtypes) if not isinstance(compress_dtypes, str) else compress_dtypes),
-                          offload_dir=offload_dir, transfer=transfer, solver_time_limit=solver_time_limit, seed=seed)
+                          offload_dir=offload_dir, transfer=transfer, solver_time_limit=solver_time_limit, seed=seed,
+                          objective=objective)
 
 
 def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple[str, ...] = DEFAULT_ACTIONS,
             compress_dtypes: tuple[str, ...] | None = None, offload_dir: str | None = None,
-            transfer: TransferModel | None = None, solver_time_limit: float = 8.0, seed: int = 0) -> CompiledModule:
+            transfer: TransferModel | None = None, solver_time_limit: float = 8.0, seed: int = 0,
+            objective: str = "time") -> CompiledModule:
     """Wraps ``model`` so each training step fits in ``budget`` bytes, planning lazily per input signature.
 
     Args:
@@ -152,6 +154,10 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
             as deterministic CP-SAT work, so the plan does not depend on the machine's load; the best plan
             found by then is used.
         seed: CP-SAT's seed: same model, inputs and seed give the same plan.
+        objective: what "least extra" means: ``"time"`` (the default) prices recomputation with the
+            device's speeds — FLOPs, bytes of memory-bound ops, random numbers, one call per op and per
+            checkpointed region; ``"flops"`` counts FLOPs alone (what ``FlopCounterMode`` reports; fastest
+            only where elementwise recomputation is fused away, as under ``torch.compile``).
 
     Example:
         >>> import autorecompute, torch
@@ -170,13 +176,14 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
         autorecompute.CaptureError: on the first training call, if the model cannot be captured.
     """
     parse_budget(budget)
-    options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed)
+    options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
     return CompiledModule(model, budget, options)
 
 
 def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tuple[str, ...] = DEFAULT_ACTIONS,
          compress_dtypes: tuple[str, ...] | None = None, offload_dir: str | None = None,
-         transfer: TransferModel | None = None, solver_time_limit: float = 8.0, seed: int = 0, **kwargs) -> Plan:
+         transfer: TransferModel | None = None, solver_time_limit: float = 8.0, seed: int = 0,
+         objective: str = "time", **kwargs) -> Plan:
     """Plans ``model`` for the example inputs without running a training step (arguments as :func:`compile`).
 
     Inputs and model may live on the ``meta`` device: planning runs on fake tensors and allocates nothing.
@@ -188,6 +195,6 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
         >>> p.count("recompute")
         0
     """
-    options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed)
+    options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
     planned: Planned = make_plan(model, args, kwargs, budget, options, input_signature(args, kwargs))
     return planned.plan

@@ -88,7 +88,8 @@ def plan_command(args: argparse.Namespace) -> int:
     try:
         plan = autorecompute.plan(model, *example, budget=args.budget, solver_time_limit=args.solver_time_limit,
                                   actions=tuple(args.actions.split(",")),
-                                  compress_dtypes=tuple(args.compress_dtypes.split(",")) if args.compress_dtypes else None)
+                                  compress_dtypes=tuple(args.compress_dtypes.split(",")) if args.compress_dtypes else None,
+                                  objective=args.objective)
     except (autorecompute.InfeasibleBudgetError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--solver-time-limit", type=float, default=8.0)
     p.add_argument("--actions", default="recompute,offload",
                    help="comma-separated, among recompute, offload, compress (default: recompute,offload)")
+    p.add_argument("--objective", default="time", choices=["time", "flops"],
+                   help="least extra time (default: the device's speeds) or least extra FLOPs")
     p.add_argument("--compress-dtypes", default=None,
                    help="with compress: comma-separated among bfloat16, float16, float8, int8 (default bfloat16)")
     p.set_defaults(run=plan_command)

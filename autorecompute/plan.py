@@ -31,6 +31,7 @@ class StashRecord:
         shape, dtype: of the tensor.
         expected_error: ``"exact"`` for offload and rematerialize, the codec's error bound for compress.
         prefetch_event: backward event from which it may be back on the device.
+        recipe: for rematerialize, the ops run again to make it (its own op last).
     """
 
     action: str
@@ -41,6 +42,7 @@ class StashRecord:
     dtype: str
     expected_error: str
     prefetch_event: int
+    recipe: tuple[str, ...] = ()
 
     @property
     def saved_bytes(self) -> int:
@@ -102,6 +104,7 @@ class Plan:
     solver_gap: float
     plan_time: float
     actions: tuple[str, ...] = ("recompute",)
+    objective: str = "time"
     resident: dict[str, int] = field(default_factory=dict)
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     model_name: str = ""
@@ -185,7 +188,8 @@ class Plan:
         data["nodes"] = {k: NodeRecord(**{**v, "shape": tuple(v["shape"])}) for k, v in data["nodes"].items()}
         data["edges"] = tuple(tuple(e) for e in data.get("edges", ()))
         data["at_peak"] = tuple(data.get("at_peak", ()))
-        data["stash"] = {k: StashRecord(**{**v, "shape": tuple(v["shape"])}) for k, v in data.get("stash", {}).items()}
+        data["stash"] = {k: StashRecord(**{**v, "shape": tuple(v["shape"]), "recipe": tuple(v.get("recipe", ()))})
+                         for k, v in data.get("stash", {}).items()}
         return cls(**data)
 
     # ---- reading ---------------------------------------------------------------------------------------
@@ -203,7 +207,8 @@ class Plan:
             *self._stash_lines(),
             "  activation bytes off the device by action: " + ", ".join(
                 f"{action} {format_bytes(n)}" for action, n in sorted(self.bytes_by_action().items())),
-            f"  solver          {self.solver_status}, {self.solver_time:.2f} s, gap {100 * self.solver_gap:.1f}%"
+            f"  solver          {self.solver_status} (least extra {self.objective}), {self.solver_time:.2f} s, "
+            f"gap {100 * self.solver_gap:.1f}%"
             f"; plan made in {self.plan_time:.2f} s",
         ])
 
@@ -253,8 +258,10 @@ def _why(action: str, node: NodeRecord, held_at_peak: bool, stashed: list[StashR
             cheaper = f"; cheaper than recomputing {node.flops:.3g} FLOPs" if node.flops else ""
             return f"offloaded {format_bytes(moved)}, {when}{cheaper}"
         if all(r.action == "rematerialize" for r in stashed):
-            return (f"rematerialized: {format_bytes(moved)} dropped after forward, its op run again on held "
-                    f"inputs when backward needs it ({node.flops:.3g} FLOPs)")
+            ops = max(len(r.recipe) for r in stashed)
+            how = "its op" if ops <= 1 else f"{ops} ops"
+            return (f"rematerialized: {format_bytes(moved)} dropped after forward, {how} run again on held "
+                    f"inputs when backward needs it")
         return f"compressed: {format_bytes(moved)} off the device until backward ({stashed[0].expected_error})"
     if action == "recompute":
         if node.held_bytes == 0:

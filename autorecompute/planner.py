@@ -31,11 +31,12 @@ from autorecompute.runtime.codecs import CODECS
 from autorecompute.runtime.stash import StashedModule, StashRuntime
 from autorecompute.runtime.tiers import check_writable
 from autorecompute.solvers import cpsat, greedy
-from autorecompute.transfer import TransferModel, default_for
+from autorecompute.transfer import TransferModel, counting_flops, default_for
 
 log = logging.getLogger("autorecompute")
 
 SUPPORTED_ACTIONS = ("recompute", "offload", "compress")
+OBJECTIVES = ("time", "flops")
 DEFAULT_ACTIONS = ("recompute", "offload")      # the lossless ones
 MAX_TIGHTENINGS = 4
 NEAR_MINIMUM = 1.15   # budgets below this multiple of the heuristic minimum get a CP-SAT minimum-peak solve
@@ -53,8 +54,12 @@ class PlannerOptions:
     compress_dtypes: tuple[str, ...] | None = None
     offload_dir: str | None = None
     transfer: TransferModel | None = None
+    objective: str = "time"
 
     def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective={self.objective!r}; accepted objectives are {OBJECTIVES}: 'time' (the "
+                             "device's speeds: FLOPs, memory-bound bytes, calls) or 'flops' (FLOPs alone)")
         if isinstance(self.actions, str):
             raise ValueError(f"actions={self.actions!r} must be a tuple such as ('recompute', 'offload')")
         unknown = [a for a in self.actions if a not in SUPPORTED_ACTIONS]
@@ -141,9 +146,10 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     t = time.perf_counter()
     profile = profile_step(gm, args, kwargs)
     transfer = options.transfer or default_for(_device_type(args, kwargs))
+    speeds = transfer if options.objective == "time" else counting_flops(transfer)
     problem = build_problem(gm, recompute="recompute" in options.actions,
                             offload=transfer if "offload" in options.actions else None,
-                            compress_dtypes=options.dtypes, device=transfer)
+                            compress_dtypes=options.dtypes, device=speeds)
     log.debug("profile + problem: %.2f s, %d ops in chain, %d recomputable, %d activations, %d stashable",
               time.perf_counter() - t, len(problem.chain), len(problem.recomputable), len(problem.activations),
               len(problem.stash_options))
@@ -157,7 +163,9 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
         if stash:
             prefetch = {name: problem.stash_option(name, action).restored_from - problem.num_forward
                         for name, action in stash.items()}
-            candidate = StashedModule(rewrite_stash(candidate, stash, prefetch, runtime))
+            recipes = {name: problem.stash_option(name, action).recipe for name, action in stash.items()
+                       if action == "rematerialize"}
+            candidate = StashedModule(rewrite_stash(candidate, stash, prefetch, runtime, recipes))
         return candidate, fake_step_memory(candidate, args, kwargs).peak
 
     # 1. The lowest peak reachable: the minimum budget, the fallback, and the hint of the cost solve.
@@ -243,7 +251,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
         model_peak=predicted_peak(problem, recompute, stash), decisions=_decisions(problem, recompute),
         extra_flops=extra_flops(problem, recompute, stash), baseline_flops=sum(problem.flops.values()),
         solver_status=status, solver_time=solve_time, solver_gap=gap,
-        plan_time=time.perf_counter() - started, actions=options.actions, resident=dict(profile.resident),
+        plan_time=time.perf_counter() - started, actions=options.actions, objective=options.objective, resident=dict(profile.resident),
         nodes=_node_records(gm, problem), model_name=type(model).__name__, signature=signature,
         edges=_edges(gm, problem), timeline=_timeline(problem, recompute, stash, profile.resident_bytes),
         num_forward=problem.num_forward, at_peak=_at_peak(problem, recompute, stash),
@@ -262,7 +270,8 @@ def _stash_records(gm: torch.fx.GraphModule, problem: Problem, stash: dict[str, 
         records[name] = StashRecord(action=action, owner=tensor.owner, nbytes=tensor.nbytes,
                                     stored_bytes=option.stored_bytes, shape=tuple(tensor.shape), dtype=tensor.dtype,
                                     expected_error=error,
-                                    prefetch_event=option.restored_from - problem.num_forward)
+                                    prefetch_event=option.restored_from - problem.num_forward,
+                                    recipe=option.recipe)
     return records
 
 

@@ -65,6 +65,7 @@ class StashOption:
         needs_kept: ops that must not be recomputed (a rematerialized tensor's op, and the savers that
             keep its inputs on the device until its last use).
         needs_unstashed: activations that must stay on the device (a rematerialized tensor's inputs).
+        recipe: the ops a rematerialization runs again, in graph order (its own op last).
     """
 
     action: str
@@ -74,6 +75,7 @@ class StashOption:
     cost: int
     needs_kept: tuple[str, ...] = ()
     needs_unstashed: tuple[str, ...] = ()
+    recipe: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,18 @@ CUDA_HOST = TransferModel(flops_per_second=100e12, write_bytes_per_second=20e9, 
                           op_seconds=10e-6, region_seconds=200e-6)
 
 
+def counting_flops(model: TransferModel) -> TransferModel:
+    """``model`` with recomputation priced by its FLOPs alone (memory-bound work at one FLOP-equivalent per
+    byte written, as a tie-break; no call or region overhead): the plan with the fewest extra FLOPs as
+    ``FlopCounterMode`` counts them, which is the fastest plan where elementwise recomputation is fused
+    away (``torch.compile``) but not in eager mode on a CPU."""
+    from dataclasses import replace
+
+    return replace(model, memory_bytes_per_second=model.flops_per_second,
+                   random_bytes_per_second=model.flops_per_second * 1e6, op_seconds=0.0,
+                   region_seconds=1.0 / model.flops_per_second)
+
+
 def default_for(device_type: str) -> TransferModel:
     """The default model for tensors on ``device_type``: "cuda" and "meta" (planning a model meant for an
     accelerator) use the host tier's; anything else the disk tier's."""

@@ -231,13 +231,16 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
                                  ("autorecompute compress:bfloat16 (lossy)", COMPRESS, 1)):
         minimum[tag] = low = minimum_peak(case, limit, actions)
         budgets = [low + (baseline - low) * i // max(1, points - 1) for i in range(points)] if points > 1 else [low]
-        extra = [(f"{tag} @ sqrt_n peak", sqrt_peak)] if actions != COMPRESS else []
+        extra = [(f"{tag} @ sqrt_n peak", sqrt_peak, "time")] if actions != COMPRESS else []
         if actions != COMPRESS and lowest is not reference:
-            extra.append((f"{tag} @ lowest sqrt_n peak", lowest["peak"]))
-        for label, budget in [*[(tag, b) for b in budgets], *extra]:
+            extra.append((f"{tag} @ lowest sqrt_n peak", lowest["peak"], "time"))
+        if actions == RECOMPUTE:      # goal 1 counts FLOPs: the plan with the fewest, beside the fastest
+            extra += [(f"{tag} (least FLOPs){label[len(tag):]}", budget, "flops") for label, budget, _ in extra]
+        for label, budget, objective in [*[(tag, b, "time") for b in budgets], *extra]:
             reset()
             started = time.perf_counter()
-            compiled = autorecompute.compile(model, budget=budget, solver_time_limit=limit, actions=actions)
+            compiled = autorecompute.compile(model, budget=budget, solver_time_limit=limit, actions=actions,
+                                             objective=objective)
             try:
                 compiled.prepare(*case.args, **case.kwargs)
             except autorecompute.InfeasibleBudgetError:
@@ -251,13 +254,17 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
         budget = row["measured_peak_bytes"]
         reset()
         started = time.perf_counter()
-        compiled = autorecompute.compile(model, budget=budget, solver_time_limit=limit, actions=RECOMPUTE)
+        # goal 3 counts FLOPs, as torch.compile's partitioner does (it fuses the elementwise ops it recomputes)
+        compiled = autorecompute.compile(model, budget=budget, solver_time_limit=limit, actions=RECOMPUTE,
+                                         objective="flops")
         try:
             compiled.prepare(*case.args, **case.kwargs)
         except autorecompute.InfeasibleBudgetError:
             continue
-        record(f"autorecompute @ torch.compile({row['fraction']}) peak", compiled, budget=budget,
-               plan_time=time.perf_counter() - started, status=compiled.plan.solver_status)
+        plan = compiled.plan
+        record(f"autorecompute (least FLOPs) @ torch.compile({row['fraction']}) peak", compiled, budget=budget,
+               plan_time=time.perf_counter() - started,
+               status=plan.solver_status + (f"; {len(plan.stash)} stashed" if plan.stash else ""))
     summary = {"model": name, "eager_peak": eager.peak, "minimum_peak": minimum["autorecompute"],
                "minimum_peak_offload": minimum["autorecompute+offload"],
                "minimum_peak_compress": minimum["autorecompute compress:bfloat16 (lossy)"], "sqrt_n_peak": sqrt_peak,
@@ -289,6 +296,7 @@ def pareto_plot(name: str, rows: list[dict], path: Path) -> None:
                "per-block (HF gradient_checkpointing)": ("D", "#674ea7"), "autorecompute @ sqrt_n peak": ("*", "#cc0000"),
                "autorecompute+offload @ sqrt_n peak": ("*", "#1155cc"),
                "autorecompute @ lowest sqrt_n peak": ("*", "#990000"),
+               "autorecompute (least FLOPs) @ sqrt_n peak": ("P", "#cc0000"),
                "autorecompute compress:bfloat16 (lossy)": ("x", "#a64d79")}
     for r in rows:
         if r["method"] in markers:

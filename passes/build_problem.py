@@ -19,6 +19,7 @@ from autorecompute.transfer import CPU_DISK, TransferModel
 
 LOSSY_COST = {"bfloat16": 1, "float16": 1, "float8": 2, "int8": 2}   # per byte compressed: prefer exact dtypes
 MAX_PREFETCH_LEAD = 8   # backward positions a prefetch may start before the first use
+MAX_RECIPE_OPS = 8      # ops one rematerialization may run again (an elementwise chain back to held inputs)
 
 
 def is_transparent(node: torch.fx.Node) -> bool:
@@ -177,48 +178,78 @@ def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forw
 def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, activations: dict[str, Activation],
                          recomputable: frozenset[str], backward_position, cost: dict[str, int], num_forward: int,
                          last: int) -> StashOption | None:
-    """Dropping ``act`` after forward and running its op again, on its held inputs, when backward first
-    needs it — what a checkpointed region cannot do without recomputing the op that saved ``act`` too.
+    """Dropping ``act`` after forward and running its op again — with the ops that made its inputs, back to
+    inputs that stay on the device anyway — when backward first needs it. A checkpointed region cannot do
+    this without recomputing the op that saved ``act`` too.
 
-    Offered for a kept op with one contiguous tensor output whose every activation input stays on the
-    device until ``act``'s last use: a saver of that input whose backward comes no earlier is kept (the
-    option names it in ``needs_kept``) and the input is not stashed (``needs_unstashed``). The runtime
-    holds references to the inputs, so this keeps them no longer than autograd does anyway. Random ops
-    replay the RNG state of their forward.
+    The recipe walks back from ``act``'s op through inputs that are not held long enough (at most
+    ``MAX_RECIPE_OPS`` ops, an elementwise chain such as a tanh-GELU) to *base* inputs that are: a saver
+    of the base whose backward comes no earlier than ``act``'s last use is kept (``needs_kept``) and the
+    base is not stashed (``needs_unstashed``); parameters and inputs are always bases. The recipe's ops
+    stay in the outer graph (``needs_kept``). The runtime holds references to the bases only, so they live
+    no longer than autograd keeps them anyway. Only ``act``'s own op may be random (its RNG state is
+    replayed). Offered for one contiguous tensor output.
     """
     if node is None or node.op != "call_function" or act.owner != node.name or node.name not in recomputable:
         return None
     if not act.savers or act.save_end < act.hold_start:
         return None
-    info = node_info(node)
     value = node.meta.get("val")
-    # one output (tensors the op saves internally, a dropout mask, are made again as temporaries)
-    if info.creates[:1] != [act.name] or any(".saved" not in c for c in info.creates[1:]):
-        return None
     if not isinstance(value, torch.Tensor) or not value.is_contiguous():
         return None
     if value.numel() * value.element_size() != act.nbytes:
         return None
-    needs_kept, needs_unstashed = [node.name], []
-    for name in info.reads:
-        source = activations.get(name)
-        if source is None:
-            if name in profile.tensors and not profile.tensors[name].is_output and profile.tensors[name].nbytes:
-                return None        # an activation the plan does not track: its lifetime is unknown
-            continue               # graph outputs live to the end; parameters and inputs always
-        guards = [s for s in source.savers
-                  if (last if backward_position(s) is None else backward_position(s)) >= act.save_end]
-        if not guards:
-            return None            # the input is gone before the rematerialized tensor's last use
-        fixed = [s for s in guards if s not in recomputable]
-        if not fixed:
-            needs_kept.append(max(guards, key=lambda s: last if backward_position(s) is None else backward_position(s)))
-        needs_unstashed.append(name)
-    saver_backward = [backward_position(s) for s in act.savers]
-    first_use = max(num_forward, min((last if p is None else p) for p in saver_backward))
+
+    def position(s: str) -> int:
+        p = backward_position(s)
+        return last if p is None else p
+
+    recipe: dict[str, torch.fx.Node] = {}
+    needs_kept, needs_unstashed = [], []
+    visiting = [node]
+    while visiting:
+        n = visiting.pop()
+        if n.name in recipe:
+            continue
+        info = node_info(n) if n.op == "call_function" else None
+        # made again: a plannable op with one output (an op's internal saves, a dropout mask, are temporaries)
+        if info is None or n.name not in recomputable or (n is not node and is_random(n)):
+            return None
+        if any(".saved" not in c for c in info.creates[1:]) or len(recipe) == MAX_RECIPE_OPS:
+            return None
+        if n is node and info.creates[:1] != [act.name]:
+            return None
+        recipe[n.name] = n
+        for arg in n.all_input_nodes:
+            if arg.op in ("placeholder", "get_attr"):
+                continue                      # parameters, buffers, inputs: always on the device
+            arg_info = node_info(arg) if arg.op == "call_function" else None
+            if arg_info is None:
+                return None
+            storage = arg_info.creates[0] if arg_info.creates else (
+                arg_info.reads[0] if len(arg_info.reads) == 1 else None)
+            if storage is None:
+                return None
+            source = activations.get(storage)
+            if source is None:
+                tensor = profile.tensors.get(storage)
+                if tensor is None or tensor.is_output or not tensor.nbytes:
+                    continue                  # graph outputs live to the end
+            guards = [s for s in source.savers if position(s) >= act.save_end] if source is not None else []
+            if guards:                        # a base: held by a kept saver until act's last use
+                if not any(s not in recomputable for s in guards):
+                    needs_kept.append(max(guards, key=position))
+                if arg.name in recomputable:
+                    needs_kept.append(arg.name)   # its value is read from the outer graph
+                needs_unstashed.append(storage)
+            else:
+                visiting.append(arg)          # made again too
+    order = sorted(recipe, key=lambda name: node_info(recipe[name]).position)
+    first_use = max(num_forward, min(position(s) for s in act.savers))
     return StashOption("rematerialize", stored_bytes=0, stored_from=act.hold_start, restored_from=first_use,
-                       cost=cost[node.name], needs_kept=tuple(dict.fromkeys(needs_kept)),
-                       needs_unstashed=tuple(needs_unstashed))
+                       cost=sum(cost[op] for op in order),
+                       needs_kept=tuple(dict.fromkeys([*order, *needs_kept])),
+                       needs_unstashed=tuple(dict.fromkeys(needs_unstashed)), recipe=tuple(order))
 
 
 def _written_bytes(profile, node: torch.fx.Node) -> int:

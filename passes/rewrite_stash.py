@@ -54,14 +54,31 @@ def _info(node: torch.fx.Node) -> NodeInfo | None:
     return info if isinstance(info, NodeInfo) else None
 
 
+def _recipe_module(chain: list[torch.fx.Node]) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
+    """The ops of a rematerialization recipe as a GraphModule over its bases (the inputs it reads that it
+    does not make), and those bases."""
+    graph, env, bases = torch.fx.Graph(), {}, []
+    members = set(chain)
+    for node in chain:
+        for arg in node.all_input_nodes:
+            if arg not in members and arg not in env:
+                env[arg] = graph.placeholder(f"base_{len(bases)}")
+                bases.append(arg)
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(env[chain[-1]])
+    return torch.fx.GraphModule(torch.nn.Module(), graph), bases
+
+
 def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_at: Mapping[str, int],
-                  runtime: StashRuntime) -> torch.fx.GraphModule:
+                  runtime: StashRuntime, recipes: Mapping[str, tuple[str, ...]] | None = None) -> torch.fx.GraphModule:
     """Rewrites ``gm`` in place (and returns it) so the activations in ``stash`` are offloaded or compressed.
 
     Args:
         stash: tensor name → ``"offload"`` or ``"compress:<dtype>"`` (the plan's choices).
         prefetch_at: tensor name → backward event from which an offloaded tensor may be back on the device.
         runtime: the tiers; added as the submodule ``stash_runtime``.
+        recipes: rematerialized tensor → the ops its recipe runs again (default: its own op alone); a
+            longer recipe becomes the submodule ``remat_<tensor>``.
     """
     if not stash:
         return gm
@@ -138,10 +155,22 @@ def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_a
             with graph.inserting_before(value):
                 rng = graph.call_function(stash_rng_state, (value.all_input_nodes[0],))
             rng.name = f"rng_state_{value.name}"
+        recipe = (recipes or {}).get(name, (name,))
+        if action == "rematerialize" and len(recipe) > 1:
+            chain = [value_of.get(op) for op in recipe]
+            if any(node is None or node.name != op for node, op in zip(chain, recipe)):
+                raise ValueError(f"the recipe {recipe} of {name!r} has ops outside the outer graph (plan and "
+                                 "graph disagree: its ops must be kept)")
+            module, bases = _recipe_module(chain)
+            gm.add_submodule(f"remat_{value.name}", module)
+            with graph.inserting_before(value):
+                op, args, kwargs = graph.get_attr(f"remat_{value.name}"), tuple(bases), {}
+        else:
+            op, args, kwargs = value.target, value.args, value.kwargs
         with graph.inserting_after(value):
             if action == "rematerialize":
-                handle = graph.call_function(stash_rematerialize, (runtime_node, value, name, value.target,
-                                                                   value.args, value.kwargs, rng))
+                handle = graph.call_function(stash_rematerialize, (runtime_node, value, name, op, args, kwargs,
+                                                                   rng))
             elif action.startswith("offload"):
                 handle = graph.call_function(stash_offload, (runtime_node, value, name))
             else:

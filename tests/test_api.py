@@ -1,4 +1,5 @@
 """The public surface: shared state, pass-through modes, lazy per-signature plans, output structure."""
+import pytest
 import torch
 
 import autorecompute
@@ -98,3 +99,20 @@ def test_same_inputs_and_seed_give_the_same_plan():
              for _ in range(2)]
     assert plans[0].decisions == plans[1].decisions
     assert plans[0].predicted_peak == plans[1].predicted_peak
+
+
+def test_objective_flops_plans_no_more_flops_than_time():
+    """``objective="flops"`` prices recomputation by FLOPs alone: at the same budget its plan runs no more
+    extra FLOPs than the default least-time plan (which also pays for bytes, random numbers and calls)."""
+    case = models.make("gpt")
+    budget = int(0.65 * autorecompute.plan(case.model, *case.args, budget=1.0).baseline_peak)
+    by_flops = autorecompute.plan(case.model, *case.args, budget=budget, actions=("recompute",), objective="flops",
+                                  solver_time_limit=SOLVER_TIME)
+    by_time = autorecompute.plan(case.model, *case.args, budget=budget, actions=("recompute",),
+                                 solver_time_limit=SOLVER_TIME)
+    assert by_flops.predicted_peak <= budget and by_time.predicted_peak <= budget
+    assert by_flops.extra_flops <= by_time.extra_flops
+    assert by_flops.objective == "flops" and "least extra flops" in by_flops.summary()
+    assert Plan.from_json(by_flops.to_json()).objective == "flops"
+    with pytest.raises(ValueError, match="accepted objectives are"):
+        autorecompute.compile(case.model, budget=0.5, objective="speed")
