@@ -43,6 +43,18 @@ def is_random(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
+# composite ops whose schema does not say they update their running statistics in training mode
+_UPDATES_STATE = {torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default}
+
+
+def updates_state(node: torch.fx.Node) -> bool:
+    """Whether running ``node`` again would update state (BatchNorm's running statistics, a write alias)."""
+    if node.target in _UPDATES_STATE:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
 def recompute_cost(node: torch.fx.Node, written: int, device: TransferModel) -> int:
     """Running ``node`` again, in FLOP-equivalents: its FLOPs, the bytes it writes at the device's
     memory-bound speed (its random numbers, for a random op), and one call."""
@@ -213,8 +225,8 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
             continue
         info = node_info(n) if n.op == "call_function" else None
         # made again: a plannable op with one output (an op's internal saves, a dropout mask, are temporaries)
-        if info is None or n.name not in recomputable or (n is not node and is_random(n)):
-            return None
+        if info is None or n.name not in recomputable or (n is not node and is_random(n)) or updates_state(n):
+            return None       # (a checkpointed region replays BatchNorm without updating it; a recipe does not)
         if any(".saved" not in c for c in info.creates[1:]) or len(recipe) == MAX_RECIPE_OPS:
             return None
         if n is node and info.creates[:1] != [act.name]:

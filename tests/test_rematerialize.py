@@ -140,3 +140,16 @@ def test_a_chain_is_made_again_back_to_held_inputs():
     for name, grad in eager.grads.items():
         assert torch.equal(grad, result.grads[name]), name
     assert result.peak < eager.peak
+
+
+def test_no_recipe_runs_an_op_that_updates_state():
+    """BatchNorm in training mode updates its running statistics: a recipe running it again would update
+    them twice, so no rematerialization goes through it (checkpointed regions replay it without update)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+    gm, problem = planned(model, torch.randn(4, 3, 16, 16))
+    batch_norms = {n.name for n in gm.graph.nodes if "batch_norm" in n.name}
+    assert batch_norms
+    for options in problem.stash_options.values():
+        for option in options:
+            assert not batch_norms & set(option.recipe)
