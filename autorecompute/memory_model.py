@@ -198,11 +198,11 @@ def predicted_peak(problem: Problem, recompute: Mapping[str, bool], stash: Stash
 
 
 def extra_flops(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> int:
-    """FLOPs run again in backward: recomputed regions, and the ops of rematerialized activations."""
+    """FLOPs run again in backward: recomputed regions, and the recipes of rematerialized activations."""
     again = sum(problem.flops.get(op, 0) for op, on in recompute.items() if on and op in problem.recomputable)
     remat = [name for name, action in effective_stash(problem, recompute, stash).items() if action == "rematerialize"]
-    owner = {act.name: act.owner for act in problem.activations}
-    return again + sum(problem.flops.get(owner[name], 0) for name in remat)
+    recipes = [problem.stash_option(name, "rematerialize").recipe for name in remat]
+    return again + sum(problem.flops.get(op, 0) for recipe in recipes for op in recipe)
 
 
 def stash_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 from autorecompute.budget import format_bytes
 
-SCHEMA_VERSION = 2          # 2: adds ``stash``; version 1 files (no stash) are still read
+SCHEMA_VERSION = 3          # 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``; 2: ``stash``
 ACTIONS = ("keep", "recompute", "rematerialize", "offload", "compress")
 
 
@@ -179,7 +179,7 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         data = json.loads(text)
         version = data.pop("schema_version", None)
-        if version not in (1, SCHEMA_VERSION):
+        if version not in (1, 2, SCHEMA_VERSION):
             raise ValueError(f"plan JSON has schema_version {version!r}; this autorecompute reads "
                              f"1 to {SCHEMA_VERSION}")
         known = {f.name for f in fields(cls)}

@@ -27,6 +27,7 @@ class TransferModel:
         random_bytes_per_second: bytes a random op (dropout) writes per second, drawing its numbers.
         op_seconds: fixed cost of running one op again (dispatch, launch).
         region_seconds: fixed cost of one recomputed region (a checkpoint call: hooks, RNG state, replay).
+        stash_seconds: fixed cost of one rematerialized or compressed tensor (hooks, bookkeeping).
     """
 
     flops_per_second: float
@@ -37,6 +38,7 @@ class TransferModel:
     random_bytes_per_second: float = 0.25e9
     op_seconds: float = 10e-6
     region_seconds: float = 400e-6
+    stash_seconds: float = 200e-6
 
     def __post_init__(self):
         for name, value in asdict(self).items():
@@ -52,15 +54,16 @@ class TransferModel:
 
 # CPU (measured on the 2-core CI machine, torch 2.14): ~100 GFLOP/s on mid-sized matmuls, a file in the page
 # cache ~1 GB/s each way, GELU writes ~4 GB/s after ~10 µs of dispatch, dropout ~0.25 GB/s (bernoulli), a
-# non-reentrant checkpoint call ~430 µs of forward + backward overhead.
+# non-reentrant checkpoint call ~430 µs of forward + backward overhead, a rematerialized tensor ~200 µs of
+# hooks and bookkeeping besides its op.
 CPU_DISK = TransferModel(flops_per_second=100e9, write_bytes_per_second=1e9, read_bytes_per_second=1e9,
                          per_transfer_seconds=50e-6, memory_bytes_per_second=4e9, random_bytes_per_second=0.25e9,
-                         op_seconds=10e-6, region_seconds=400e-6)
+                         op_seconds=10e-6, region_seconds=400e-6, stash_seconds=200e-6)
 # CUDA: PCIe Gen4/5 pinned copies ~20 GB/s each way; a large GPU sustains ~100 TFLOP/s in bf16 matmuls and
 # ~2 TB/s in elementwise kernels (Philox dropout about as fast); a launch from eager Python ~10 µs.
 CUDA_HOST = TransferModel(flops_per_second=100e12, write_bytes_per_second=20e9, read_bytes_per_second=20e9,
                           per_transfer_seconds=20e-6, memory_bytes_per_second=1e12, random_bytes_per_second=1e12,
-                          op_seconds=10e-6, region_seconds=200e-6)
+                          op_seconds=10e-6, region_seconds=200e-6, stash_seconds=50e-6)
 
 
 def counting_flops(model: TransferModel) -> TransferModel:
@@ -72,7 +75,7 @@ def counting_flops(model: TransferModel) -> TransferModel:
 
     return replace(model, memory_bytes_per_second=model.flops_per_second,
                    random_bytes_per_second=model.flops_per_second * 1e6, op_seconds=0.0,
-                   region_seconds=1.0 / model.flops_per_second)
+                   region_seconds=1.0 / model.flops_per_second, stash_seconds=0.0)
 
 
 def default_for(device_type: str) -> TransferModel:
@@ -113,7 +116,8 @@ def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | N
                           read_bytes_per_second=nbytes / read, per_transfer_seconds=CPU_DISK.per_transfer_seconds,
                           memory_bytes_per_second=CPU_DISK.memory_bytes_per_second * scale,
                           random_bytes_per_second=CPU_DISK.random_bytes_per_second * scale,
-                          op_seconds=CPU_DISK.op_seconds / scale, region_seconds=CPU_DISK.region_seconds / scale)
+                          op_seconds=CPU_DISK.op_seconds / scale, region_seconds=CPU_DISK.region_seconds / scale,
+                          stash_seconds=CPU_DISK.stash_seconds / scale)
     os.makedirs(os.path.dirname(cache), exist_ok=True)
     with open(cache, "w") as f:
         json.dump(asdict(model), f)

@@ -322,6 +322,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--models", nargs="*")
     parser.add_argument("--solver-time-limit", type=float, default=None)
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other models' rows of results.json (rerun some models after a change)")
     args = parser.parse_args(argv)
     names = args.models or (QUICK if args.quick else FULL)
     limit = args.solver_time_limit or (2.0 if args.quick else 6.0)
@@ -329,13 +331,27 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     all_rows, summaries = [], []
     for name in names:
+        model_started = time.perf_counter()
         rows, summary = bench_model(name, args.quick, limit)
+        summary["seconds"] = time.perf_counter() - model_started
         all_rows += rows
         summaries.append(summary)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"rows": all_rows, "models": summaries,
-                                                  "seconds": time.perf_counter() - started}, indent=1))
+    seconds = time.perf_counter() - started
+    if args.merge and (out / "results.json").exists():
+        previous = json.loads((out / "results.json").read_text())
+        kept = [m["model"] for m in previous["models"] if m["model"] not in names]
+        all_rows = [r for r in previous["rows"] if r["model"] in kept] + all_rows
+        summaries = [m for m in previous["models"] if m["model"] in kept] + summaries
+        order = {name: i for i, name in enumerate(FULL)}
+        summaries.sort(key=lambda m: order.get(m["model"], len(order)))
+        all_rows.sort(key=lambda r: order.get(r["model"], len(order)))     # stable: rows keep their order
+        share = previous.get("seconds", 0.0) / max(1, len(previous["models"]))   # runs before per-model times
+        seconds = sum(m.get("seconds", share) for m in summaries)
+        names = [m["model"] for m in summaries]
+    (out / "results.json").write_text(json.dumps({"rows": all_rows, "models": summaries, "seconds": seconds},
+                                                 indent=1))
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(all_rows[0]))
         writer.writeheader()
@@ -346,7 +362,7 @@ def main(argv=None) -> int:
         pareto_plot(name, [r for r in all_rows if r["model"] == name], plots / f"pareto_{name}.png")
     from report import write_markdown
 
-    write_markdown(all_rows, summaries, time.perf_counter() - started, args.quick, ROOT / "docs" / "benchmarks.md")
+    write_markdown(all_rows, summaries, seconds, args.quick, ROOT / "docs" / "benchmarks.md")
     print(f"done in {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -114,7 +114,7 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
         by_name = {act.name: act for act in activations}
         for act in activations:
             option = rematerialize_option(nodes.get(act.name), act, profile, by_name, recomputable,
-                                          backward_position, cost, num_forward, last)
+                                          backward_position, cost, num_forward, last, device)
             if option is not None:
                 options[act.name] = (option,)
     if offload is not None or compress_dtypes:
@@ -180,7 +180,8 @@ def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forw
         chosen = codec(name)
         if whole and chosen.accepts(dtype):
             stored = chosen.stored_bytes(tensor.shape)
-            cast_cost = (device.seconds_to_cost(2 * device.op_seconds + (stored + act.nbytes) / device.memory_bytes_per_second)
+            cast_cost = (device.seconds_to_cost(device.stash_seconds + 2 * device.op_seconds
+                                                + (stored + act.nbytes) / device.memory_bytes_per_second)
                          + LOSSY_COST[name] * act.nbytes)
             options.append(StashOption(f"compress:{name}", stored_bytes=stored, stored_from=pack,
                                        restored_from=first_use, cost=1 + cast_cost))
@@ -189,7 +190,7 @@ def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forw
 
 def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, activations: dict[str, Activation],
                          recomputable: frozenset[str], backward_position, cost: dict[str, int], num_forward: int,
-                         last: int) -> StashOption | None:
+                         last: int, device: TransferModel = CPU_DISK) -> StashOption | None:
     """Dropping ``act`` after forward and running its op again — with the ops that made its inputs, back to
     inputs that stay on the device anyway — when backward first needs it. A checkpointed region cannot do
     this without recomputing the op that saved ``act`` too.
@@ -211,6 +212,8 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
         return None
     if value.numel() * value.element_size() != act.nbytes:
         return None
+    if is_random(node) and value.device.type not in ("cpu", "cuda"):
+        return None           # the RNG state is replayed for the CPU and CUDA generators only
 
     def position(s: str) -> int:
         p = backward_position(s)
@@ -259,7 +262,7 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
     order = sorted(recipe, key=lambda name: node_info(recipe[name]).position)
     first_use = max(num_forward, min(position(s) for s in act.savers))
     return StashOption("rematerialize", stored_bytes=0, stored_from=act.hold_start, restored_from=first_use,
-                       cost=sum(cost[op] for op in order),
+                       cost=device.seconds_to_cost(device.stash_seconds) + sum(cost[op] for op in order),
                        needs_kept=tuple(dict.fromkeys([*order, *needs_kept])),
                        needs_unstashed=tuple(dict.fromkeys(needs_unstashed)), recipe=tuple(order))
 

@@ -1,4 +1,5 @@
-"""Rewrite: (GraphModule, stash decisions) → GraphModule whose saved activations are offloaded or compressed.
+"""Rewrite: (GraphModule, stash decisions) → GraphModule whose saved activations are offloaded, compressed or
+rematerialized.
 
 Runs after :func:`~autorecompute.passes.rewrite_recompute.rewrite_recompute` and decides nothing: for each
 activation the plan stashes it inserts, in the outer graph (see ``runtime/stash.py`` for what they do),
@@ -71,10 +72,11 @@ def _recipe_module(chain: list[torch.fx.Node]) -> tuple[torch.fx.GraphModule, li
 
 def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_at: Mapping[str, int],
                   runtime: StashRuntime, recipes: Mapping[str, tuple[str, ...]] | None = None) -> torch.fx.GraphModule:
-    """Rewrites ``gm`` in place (and returns it) so the activations in ``stash`` are offloaded or compressed.
+    """Rewrites ``gm`` in place (and returns it) so the activations in ``stash`` are stashed as the plan says.
 
     Args:
-        stash: tensor name → ``"offload"`` or ``"compress:<dtype>"`` (the plan's choices).
+        stash: tensor name → ``"offload"``, ``"offload:late"``, ``"compress:<dtype>"`` or ``"rematerialize"``
+            (the plan's choices).
         prefetch_at: tensor name → backward event from which an offloaded tensor may be back on the device.
         runtime: the tiers; added as the submodule ``stash_runtime``.
         recipes: rematerialized tensor → the ops its recipe runs again (default: its own op alone); a
@@ -153,7 +155,7 @@ def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_a
         rng = None
         if action == "rematerialize" and is_random(value):
             with graph.inserting_before(value):
-                rng = graph.call_function(stash_rng_state, (value.all_input_nodes[0],))
+                rng = graph.call_function(stash_rng_state, (str(value.meta["val"].device),))
             rng.name = f"rng_state_{value.name}"
         recipe = (recipes or {}).get(name, (name,))
         if action == "rematerialize" and len(recipe) > 1:
@@ -182,7 +184,7 @@ def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_a
             graph.call_function(stash_release, (runtime_node, handle))
         prefetch(name, handle, value)
         savers.update(value_of[s] for s in tensor.savers if s in value_of and value_of[s].name == s)
-    for saver in savers:        # autograd saves the stashed tensors through the hooks only here
+    for saver in sorted(savers, key=position.__getitem__):   # autograd saves stashed tensors through hooks only here
         with graph.inserting_before(saver):
             graph.call_function(stash_hooks_on, (runtime_node,))
         with graph.inserting_after(saver):

@@ -13,8 +13,9 @@ The rewrite (``passes/rewrite_stash.py``) inserts, for every activation the plan
 * ``stash_prefetch(handle, trigger)`` right after ``trigger`` is made: when backward reaches
   ``trigger``'s backward, the copy back starts, ahead of the first op that needs ``t``.
 
-The hooks are active while :meth:`StashRuntime.active` is (the compiled module enters it around every
-call). Saved tensors are matched by storage, the way autograd shares them, so one copy serves every op
+The hooks are pushed by graph nodes only around the ops that make or save a stashed tensor, inside
+:meth:`StashRuntime.active` (the compiled module enters it around every call); other saved tensors never
+reach Python. Saved tensors are matched by storage, the way autograd shares them, so one copy serves every op
 that saves ``t`` or a view of it. The restored tensor lives until the last such op's backward is done.
 """
 from __future__ import annotations
@@ -114,17 +115,27 @@ class _Stash:
         return torch.as_strided(self._as(self.restored, dtype), size, stride, offset)
 
     def _rematerialize(self) -> torch.Tensor:
-        op, args, kwargs, rng = self.recipe
-        with torch.no_grad():
+        op, args, kwargs, rng, autocast, versions = self.recipe
+        changed = [i for i, (t, v) in enumerate(versions) if t._version != v]
+        if changed:
+            raise RuntimeError(f"autorecompute: {self.name!r} is rematerialized in backward from inputs that were "
+                               f"modified in place after forward (inputs {changed}); do not modify the model's "
+                               "inputs or buffers between forward and backward, or plan without 'recompute'")
+        device_type, enabled, dtype = autocast
+        # as in forward: no gradient, the same autocast state, the same random numbers
+        with torch.no_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
             if rng is None:
                 out = op(*args, **kwargs)
-            else:       # a random op draws what it drew in forward
+            else:
                 cpu, device, device_state = rng
                 with torch.random.fork_rng(devices=[device] if device is not None else [], enabled=True):
                     torch.set_rng_state(cpu)
                     if device is not None:
                         torch.cuda.set_rng_state(device_state, device)
                     out = op(*args, **kwargs)
+        if out.dtype != self.dtype or out.numel() != self.numel or not out.is_contiguous():
+            raise RuntimeError(f"autorecompute: rematerializing {self.name!r} gave {out.dtype}{tuple(out.shape)}, "
+                               f"forward made {self.dtype} with {self.numel} elements (a bug: please report it)")
         return out.reshape(-1)
 
     def _as(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -136,7 +147,8 @@ class _Stash:
         self.refs -= 1
         if self.refs == 0:
             self.restored = None
-            self.recipe = None         # its inputs may go when autograd lets them
+            if self.flat is None:
+                self.recipe = None     # released: its inputs may go when autograd lets them
             if self.out is not None:
                 try:
                     self.out.wait()    # never delete a file a write is still filling
@@ -280,11 +292,13 @@ class StashRuntime(torch.nn.Module):
         return step
 
 
-def _register(runtime: StashRuntime, tensor: torch.Tensor, name: str, action: str, recipe=None) -> _Stash:
+def _register(runtime: StashRuntime, tensor: torch.Tensor, name: str, action: str, recipe=None,
+              skip: bool = False) -> _Stash | None:
+    """Ends the tensor's watch window and, unless ``skip``, registers its stash."""
     step = runtime.step()
     step.watching = max(0, step.watching - 1)
     step.hooks_off()
-    if not torch.is_grad_enabled() or not isinstance(tensor, torch.Tensor):
+    if skip or not torch.is_grad_enabled() or not isinstance(tensor, torch.Tensor):
         return None
     stash = _Stash(runtime, name, tensor, action, recipe)
     step.register(stash)
@@ -320,19 +334,28 @@ def stash_compress(runtime: StashRuntime, tensor: torch.Tensor, name: str, dtype
     return _register(runtime, tensor, name, f"compress:{dtype}")
 
 
-def stash_rng_state(like: torch.Tensor) -> tuple:
+def stash_rng_state(device: str) -> tuple:
     """Graph node right before a random op whose output is rematerialized: the RNG state it draws from
-    (CPU, and ``like``'s CUDA device when there is one)."""
-    device = like.device if isinstance(like, torch.Tensor) and like.device.type == "cuda" else None
-    return torch.get_rng_state(), device, (torch.cuda.get_rng_state(device) if device is not None else None)
+    (CPU, and the op's CUDA device when it runs on one; the planner offers nothing else)."""
+    where = torch.device(device)
+    cuda = where if where.type == "cuda" else None
+    return torch.get_rng_state(), cuda, (torch.cuda.get_rng_state(cuda) if cuda is not None else None)
 
 
 def stash_rematerialize(runtime: StashRuntime, tensor: torch.Tensor, name: str, op, args: tuple, kwargs: dict,
                         rng: tuple | None = None) -> _Stash | None:
     """Graph node: from here, what autograd saves of ``tensor`` is the recipe ``op(*args, **kwargs)``;
-    backward runs it again (replaying ``rng``) when it first needs ``tensor``. The inputs it holds stay on
-    the device no longer than autograd keeps them anyway (the planner checks that)."""
-    return _register(runtime, tensor, name, "rematerialize", (op, tuple(args), dict(kwargs), rng))
+    backward runs it again (replaying ``rng`` and the autocast state) when it first needs ``tensor``. The
+    inputs it holds stay on the device no longer than autograd keeps them anyway (the planner checks
+    that); an input modified in place meanwhile is an error, not a silent difference."""
+    if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
+        # planned for a contiguous layout (a channels-last input now?): kept rather than restored wrongly
+        return _register(runtime, tensor, name, "rematerialize", skip=True)
+    device_type = tensor.device.type if isinstance(tensor, torch.Tensor) else "cpu"
+    autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    versions = tuple((t, t._version) for t in tensors)
+    return _register(runtime, tensor, name, "rematerialize", (op, tuple(args), dict(kwargs), rng, autocast, versions))
 
 
 def stash_release(runtime: StashRuntime, handle: _Stash | None) -> None:
