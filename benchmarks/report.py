@@ -97,7 +97,7 @@ def _compile_goal(rows: list[dict]) -> tuple[str, str, str]:
     for r in rows:
         if not r["method"].startswith("autorecompute (least FLOPs) @ torch.compile(") or r["peak"] is None:
             continue
-        fraction = float(r["method"].split("(")[1].split(")")[0])
+        fraction = float(r["method"].split("torch.compile(")[1].split(")")[0])
         ref = compiled[(r["model"], fraction)]
         seen = True
         ok = r["extra_flops"] <= ref["extra_flops"] and r["peak"] <= ref["measured_peak_bytes"]
