@@ -1,9 +1,11 @@
 """Benchmark suite: autorecompute against √N checkpointing, per-block checkpointing and eager.
 
-    python benchmarks/suite.py            # full suite (≈ 20-30 min on 2 cores)
+    python benchmarks/suite.py            # full suite (≈ 15 min on 2 cores)
     python benchmarks/suite.py --quick    # 3 models, fewer points (≈ 5 min)
+    python benchmarks/suite.py --models gpt mlp --merge   # rerun some models, keep the others' rows
 
-Writes benchmarks/results/results.{json,csv}, docs/benchmarks.md and docs/benchmarks/pareto_<model>.png.
+Writes benchmarks/results/results.{json,csv} and floors.json, docs/benchmarks.md and
+docs/benchmarks/pareto_<model>.png.
 Memory is the live tensor-storage tracker's peak through forward and backward (plus resident state);
 extra compute is FlopCounterMode's count against eager; wall time is the median ratio of interleaved runs.
 """
@@ -339,6 +341,7 @@ def main(argv=None) -> int:
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     seconds = time.perf_counter() - started
+    benched = list(names)
     if args.merge and (out / "results.json").exists():
         previous = json.loads((out / "results.json").read_text())
         kept = [m["model"] for m in previous["models"] if m["model"] not in names]
@@ -360,6 +363,11 @@ def main(argv=None) -> int:
     plots.mkdir(parents=True, exist_ok=True)
     for name in names:
         pareto_plot(name, [r for r in all_rows if r["model"] == name], plots / f"pareto_{name}.png")
+    from floors import floor        # the memory no plan removes, for the 2a/2b explanation
+    floors_path = out / "floors.json"
+    floors = json.loads(floors_path.read_text()) if floors_path.exists() else {}
+    floors.update({name: floor(name) for name in benched})
+    floors_path.write_text(json.dumps(floors, indent=1))
     from report import write_markdown
 
     write_markdown(all_rows, summaries, seconds, args.quick, ROOT / "docs" / "benchmarks.md")

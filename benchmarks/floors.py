@@ -1,0 +1,42 @@
+"""The memory no plan can remove, per benchmark model: the lower bound under the goals 2a/2b.
+
+    python benchmarks/floors.py       # writes benchmarks/results/floors.json (seconds)
+
+For each model, the largest value over the step of ``Problem.fixed`` — resident state, gradients,
+activations during their forward life and autograd's backward temporaries, calibrated on the measured
+step — which no keep / recompute / rematerialize / offload / compress decision changes.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import models  # noqa: E402
+from autorecompute.passes.build_problem import build_problem  # noqa: E402
+from autorecompute.passes.capture import capture  # noqa: E402
+from autorecompute.passes.profile import profile_step  # noqa: E402
+
+FULL = ["gpt", "gpt2", "bert", "llama", "resnet", "unet", "mlp", "vgg"]
+
+
+def floor(name: str) -> int:
+    case = models.make(name)
+    gm = capture(case.model, case.args, case.kwargs)
+    profile_step(gm, case.args, case.kwargs)
+    return max(build_problem(gm).fixed)
+
+
+def main() -> None:
+    floors = {name: floor(name) for name in FULL}
+    out = ROOT / "benchmarks" / "results" / "floors.json"
+    out.write_text(json.dumps(floors, indent=1))
+    for name, value in floors.items():
+        print(f"{name:8s} {value / 2**20:8.2f} MiB")
+
+
+if __name__ == "__main__":
+    main()
