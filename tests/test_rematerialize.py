@@ -12,7 +12,7 @@ from autorecompute.passes.rewrite_recompute import rewrite_recompute
 from autorecompute.passes.rewrite_stash import rewrite_stash
 from autorecompute.planner import _decisions, clone_graph_module
 from autorecompute.runtime.stash import StashedModule, StashRuntime
-from harness import measured_step
+from harness import assert_bitwise_equal, measured_step
 
 
 class AttentionLike(nn.Module):
@@ -37,9 +37,20 @@ def planned(model, x):
     return gm, build_problem(gm)
 
 
-def with_stash(gm, problem, stash):
+def with_stash(gm, problem, stash, recipes=None):
     rewritten = rewrite_recompute(clone_graph_module(gm), _decisions(problem, {}))
-    return StashedModule(rewrite_stash(rewritten, stash, {}, StashRuntime()))
+    return StashedModule(rewrite_stash(rewritten, stash, {}, StashRuntime(), recipes))
+
+
+def eager_then(module, model, x):
+    """One measured step of eager and one of ``module`` (same seed, gradients cleared between): outputs and
+    gradients bitwise equal."""
+    eager = measured_step(model, model, (x,), {}, seed=1)
+    for p in model.parameters():
+        p.grad = None
+    result = measured_step(module, model, (x,), {}, seed=1)
+    assert_bitwise_equal(eager, result)
+    return eager, result
 
 
 def test_offered_only_when_the_inputs_stay_on_the_device():
@@ -67,12 +78,7 @@ def test_dropout_output_made_again_with_the_same_mask():
     module = with_stash(gm, problem, {name: "rematerialize" for name in dropouts})
     code = module.graph_module.code
     assert code.count("stash_rematerialize(") == 3 and code.count("stash_rng_state(") == 3
-    eager = measured_step(model, model, (x,), {}, seed=1)
-    for p in model.parameters():
-        p.grad = None
-    result = measured_step(module, model, (x,), {}, seed=1)
-    for name, grad in eager.grads.items():
-        assert torch.equal(grad, result.grads[name]), name       # same masks: bitwise equal gradients
+    eager, result = eager_then(module, model, x)                 # same masks: bitwise equal gradients
     # two of the three dropout outputs are off the device at the start of backward (the last is needed now)
     assert result.peak <= eager.peak - 2 * 256 * 64 * 4
 
@@ -129,16 +135,9 @@ def test_a_chain_is_made_again_back_to_held_inputs():
         assert option.recipe[-1] in option.needs_kept and set(option.recipe) <= set(option.needs_kept)
     stash = effective_stash(problem, {}, {name: "rematerialize" for name, o in remat.items() if len(o.recipe) > 1})
     assert stash and all(len(remat[name].recipe) > 1 for name in stash)
-    rewritten = rewrite_recompute(clone_graph_module(gm), _decisions(problem, {}))
-    recipes = {name: remat[name].recipe for name in stash}
-    module = StashedModule(rewrite_stash(rewritten, stash, {}, StashRuntime(), recipes))
+    module = with_stash(gm, problem, stash, {name: remat[name].recipe for name in stash})
     assert "remat_" in module.graph_module.code
-    eager = measured_step(model, model, (x,), {}, seed=1)
-    for p in model.parameters():
-        p.grad = None
-    result = measured_step(module, model, (x,), {}, seed=1)
-    for name, grad in eager.grads.items():
-        assert torch.equal(grad, result.grads[name]), name
+    eager, result = eager_then(module, model, x)
     assert result.peak < eager.peak
 
 
@@ -169,9 +168,4 @@ def test_recipes_replay_the_autocast_state():
     assert stash
     module = with_stash(gm, problem, stash)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        eager = measured_step(model, model, (x,), {}, seed=1)
-        for p in model.parameters():
-            p.grad = None
-        result = measured_step(module, model, (x,), {}, seed=1)
-    for name, grad in eager.grads.items():
-        assert torch.equal(grad, result.grads[name]), name
+        eager_then(module, model, x)
