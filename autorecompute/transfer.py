@@ -67,10 +67,11 @@ CUDA_HOST = TransferModel(flops_per_second=100e12, write_bytes_per_second=20e9, 
 
 
 def counting_flops(model: TransferModel) -> TransferModel:
-    """``model`` with recomputation priced by its FLOPs alone (memory-bound work at one FLOP-equivalent per
-    byte written, as a tie-break; no call or region overhead): the plan with the fewest extra FLOPs as
-    ``FlopCounterMode`` counts them, which is the fastest plan where elementwise recomputation is fused
-    away (``torch.compile``) but not in eager mode on a CPU."""
+    """``model`` with recomputation priced by its FLOPs (no call, region or random-number cost; the bytes a
+    memory-bound op writes at one FLOP-equivalent each, which keeps zero-FLOP recomputation from being free
+    and elementwise recipes short): about the plan with the fewest extra FLOPs as ``FlopCounterMode``
+    counts them — the fastest plan where elementwise recomputation is fused away (``torch.compile``), not
+    in eager mode on a CPU."""
     from dataclasses import replace
 
     return replace(model, memory_bytes_per_second=model.flops_per_second,
