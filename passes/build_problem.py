@@ -152,8 +152,8 @@ def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forw
     Compress: the casts' bytes, plus a small penalty per byte for the loss of precision.
     """
     pack = min(saver_positions, default=act.hold_start - 1)
-    first_use = min((last if p is None else p) for p in saver_backward) if saver_backward else act.save_end
-    first_use = max(first_use, num_forward)
+    first_use = (first_backward_use(saver_backward, last, num_forward) if saver_backward
+                 else max(act.save_end, num_forward))
     options = []
     if offload is not None:
         write = act.nbytes / offload.write_bytes_per_second
@@ -186,6 +186,12 @@ def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forw
             options.append(StashOption(f"compress:{name}", stored_bytes=stored, stored_from=pack,
                                        restored_from=first_use, cost=1 + cast_cost))
     return tuple(options)
+
+
+def first_backward_use(saver_backward: list[int | None], last: int, num_forward: int) -> int:
+    """The first backward position that needs a tensor its savers (at ``saver_backward``; None: a saver
+    whose backward did not run, so the last position) keep: where it must be back on the device."""
+    return max(num_forward, min(last if p is None else p for p in saver_backward))
 
 
 def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, activations: dict[str, Activation],
@@ -260,7 +266,7 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
             else:
                 visiting.append(arg)          # made again too
     order = sorted(recipe, key=lambda name: node_info(recipe[name]).position)
-    first_use = max(num_forward, min(position(s) for s in act.savers))
+    first_use = first_backward_use([backward_position(s) for s in act.savers], last, num_forward)
     return StashOption("rematerialize", stored_bytes=0, stored_from=act.hold_start, restored_from=first_use,
                        cost=device.seconds_to_cost(device.stash_seconds) + sum(cost[op] for op in order),
                        needs_kept=tuple(dict.fromkeys([*order, *needs_kept])),
