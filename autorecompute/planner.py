@@ -172,44 +172,46 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     t = time.perf_counter()
     heuristic = greedy.lowest_peak(problem)
     progress = sys.stderr.isatty()    # a live status line for people, nothing in logs and pipes
-    lowest_decisions, lowest_peak = heuristic, predicted_peak(problem, *heuristic)
-    lowest_status, lowest_gap, lowest_time = "heuristic", 1.0, 0.0
-    if budget_bytes < NEAR_MINIMUM * lowest_peak:
-        # the minimum matters only when the budget is close to it: then ask CP-SAT for a lower one
-        solved = cpsat.solve(problem, minimize="peak", time_limit=options.solver_time_limit / 4, seed=options.seed,
-                             hint=heuristic[0], hint_stash=heuristic[1], progress=progress)
-        lowest_time = solved.wall_time
-        if solved.recompute is not None and solved.objective <= lowest_peak:
-            lowest_decisions = (solved.recompute, effective_stash(problem, solved.recompute, solved.stash))
-            lowest_peak, lowest_status, lowest_gap = solved.objective, solved.status, solved.gap
-    minimum_model_peak = predicted_peak(problem, *lowest_decisions)
+    lowest = {"decisions": heuristic, "peak": predicted_peak(problem, *heuristic), "status": "heuristic",
+              "gap": 1.0, "time": 0.0}
     verified_minimum: list[tuple[torch.nn.Module, int]] = []
+
+    def lower_minimum(time_limit: float) -> None:
+        """Asks CP-SAT for a lower minimum-peak plan than the best so far (which hints it)."""
+        decisions = lowest["decisions"]
+        solved = cpsat.solve(problem, minimize="peak", time_limit=time_limit, seed=options.seed,
+                             hint=decisions[0], hint_stash=decisions[1], progress=progress)
+        lowest["time"] += solved.wall_time
+        if solved.recompute is not None and solved.objective <= lowest["peak"]:
+            lowest.update(decisions=(solved.recompute, effective_stash(problem, solved.recompute, solved.stash)),
+                          peak=solved.objective, status=solved.status, gap=solved.gap)
+            verified_minimum.clear()
+
+    if budget_bytes < NEAR_MINIMUM * lowest["peak"]:
+        # the minimum matters only when the budget is close to it: then ask CP-SAT for a lower one
+        lower_minimum(options.solver_time_limit / 4)
+    log.debug("minimum peak (model) %d, %s in %.2f s", lowest["peak"], lowest["status"], time.perf_counter() - t)
 
     def minimum() -> tuple[torch.nn.Module, int]:
         """The minimum-peak plan, verified once, when a decision needs it."""
         if not verified_minimum:
-            module, peak = verify(lowest_decisions) if minimum_model_peak < baseline_peak else (gm, baseline_peak)
+            minimum_model_peak = predicted_peak(problem, *lowest["decisions"])
+            module, peak = verify(lowest["decisions"]) if minimum_model_peak < baseline_peak else (gm, baseline_peak)
             verified_minimum.append((module, peak) if peak < baseline_peak else (gm, baseline_peak))
         return verified_minimum[0]
-
-    log.debug("minimum peak (model) %d, %s in %.2f s", minimum_model_peak, lowest_status, time.perf_counter() - t)
 
     def infeasible() -> InfeasibleBudgetError:
         peak = minimum()[1]
         return InfeasibleBudgetError(budget_bytes, peak, _breakdown(profile, peak), options.actions)
 
-    # 2. The cheapest plan under the budget, re-solved under a tighter internal budget while verification
-    #    finds the model optimistic; the verified minimum-peak plan is the last resort.
-    status, solve_time, gap = "trivial", lowest_time, 0.0
-    chosen, module, peak = _keep_all(problem), gm, baseline_peak
-    if budget_bytes < baseline_peak:
-        found = False
-        internal = budget_bytes
+    def cheapest_fitting(internal: int):
+        """The cheapest plan whose verified peak fits the budget, re-solved under a tighter internal budget
+        while verification finds the model optimistic; None when the tightening reaches the model's minimum."""
         for _ in range(MAX_TIGHTENINGS):
-            if internal < minimum_model_peak:
-                break   # tighter than the model's own minimum: the minimum-peak plan is the answer
+            if internal < lowest["peak"]:
+                return None, internal   # tighter than the model's own minimum: the minimum-peak plan is the answer
             hint = greedy.best_under(problem, internal) \
-                or greedy.descend(problem, internal, lowest_decisions)
+                or greedy.descend(problem, internal, lowest["decisions"])
             # Verify the hint on the other core while CP-SAT (which releases the GIL) tries to beat it.
             with ThreadPoolExecutor(max_workers=1) as pool:
                 hint_verified = pool.submit(verify, hint)
@@ -225,7 +227,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
                         elif result.status == "optimal":
                             status = "optimal"     # the hint costs no more than CP-SAT's proven optimum
                 candidate, candidate_peak = hint_verified.result()
-            solve_time += result.wall_time
+            timing["solve"] += result.wall_time
             cost = extra_cost(problem, *best)
             gap = 0.0 if status == "optimal" else max(0.0, (cost - result.bound) / cost) if cost else 0.0
             if best is not hint:
@@ -233,17 +235,32 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
             log.debug("cost solve under %d: %s, model peak %d, verified %d", internal, status,
                       predicted_peak(problem, *best), candidate_peak)
             if candidate_peak <= budget_bytes:
-                chosen, module, peak, found = best, candidate, candidate_peak, True
-                break
-            internal -= candidate_peak - budget_bytes + max(1, (budget_bytes - minimum_model_peak) // 16)
-        if not found:
+                return (best, candidate, candidate_peak, status, gap), internal
+            internal -= candidate_peak - budget_bytes + max(1, (budget_bytes - lowest["peak"]) // 16)
+        return None, internal
+
+    # 2. The cheapest plan under the budget; the verified minimum-peak plan is the last resort.
+    timing = {"solve": 0.0}
+    status, gap = "trivial", 0.0
+    chosen, module, peak = _keep_all(problem), gm, baseline_peak
+    if budget_bytes < baseline_peak:
+        found, internal = cheapest_fitting(budget_bytes)
+        if found is None and lowest["status"] != "optimal" and minimum()[1] > budget_bytes:
+            # Before saying "infeasible", spend the full time limit on the minimum: a short solve (or the
+            # heuristic alone) can leave it well above the true one, and the error would name a wrong minimum.
+            lower_minimum(options.solver_time_limit)
+            found, _ = cheapest_fitting(min(internal, budget_bytes))
+        if found is not None:
+            chosen, module, peak, status, gap = found
+        else:
             module, peak = minimum()
             if peak > budget_bytes:
                 raise infeasible()
-            chosen, status, gap = lowest_decisions, "fallback (minimum-peak plan)", lowest_gap
+            chosen, status, gap = lowest["decisions"], "fallback (minimum-peak plan)", lowest["gap"]
             if module is gm:
                 chosen = _keep_all(problem)
-    minimum_peak = verified_minimum[0][1] if verified_minimum else min(minimum_model_peak, peak)
+    solve_time = lowest["time"] + timing["solve"]
+    minimum_peak = verified_minimum[0][1] if verified_minimum else min(lowest["peak"], peak)
     recompute, stash = chosen
 
     plan = Plan(

@@ -117,3 +117,21 @@ def test_objective_flops_plans_no_more_flops_than_time():
     assert Plan.from_json(by_flops.to_json()).objective == "flops"
     with pytest.raises(ValueError, match="accepted objectives are"):
         autorecompute.compile(case.model, budget=0.5, objective="speed")
+
+
+def test_a_weak_first_minimum_does_not_make_a_feasible_budget_infeasible(monkeypatch):
+    """The first minimum-peak estimate is a heuristic (or a short CP-SAT solve); when it sits above the
+    budget, the planner solves for the minimum with the full time limit before it says "infeasible".
+
+    On the VGG-style net the heuristic's lowest peak is 6.11 MiB (model) and CP-SAT's 5.89 MiB: a budget
+    between them must be planned, not refused.
+    """
+    from autorecompute import planner
+
+    case = models.make("vgg")
+    monkeypatch.setattr(planner, "NEAR_MINIMUM", 0.0)      # no early CP-SAT minimum solve: the heuristic only
+    budget = 6_300_000
+    compiled = autorecompute.compile(case.model, budget=budget, actions=("recompute",), solver_time_limit=SOLVER_TIME)
+    result = measured_step(compiled, case.model, case.args, case.kwargs)
+    assert compiled.plan.minimum_peak < budget
+    assert result.peak <= budget
