@@ -1,6 +1,6 @@
 """torch.compile's own memory option, ``torch._functorch.config.activation_memory_budget``, measured.
 
-    python benchmarks/compile_budget.py [--models gpt gpt2] [--backends aot_eager inductor]
+    python benchmarks/compile_budget.py [--models gpt gpt2 gpt-nodropout] [--backends aot_eager inductor]
     python benchmarks/compile_budget.py --backends inductor --fractions 1.0 0.3 --merge   # add rows
 
 Inductor compiles C++ on the CPU: about 2.5 minutes per (model, fraction) on 2 shared cores, hence not in
@@ -24,6 +24,12 @@ that running sum. Validation: on the eager model this walk is compared with
 ``measure_step(model, args, kwargs).peak`` (the LiveStorageTracker) for every model; both columns are in
 the table (``eager_peak`` is the profiler's, ``tracker_peak`` the tracker's). The profiler counts every
 c10 CPU allocation; buffers an inductor C++ kernel keeps on its own stack are not seen.
+
+Gradients. One more step of the compiled model and one of eager, both from ``torch.manual_seed(1)``:
+the largest absolute difference of the parameter gradients. Below 1.0 the partitioner may recompute a
+dropout in backward with fresh random numbers (pytorch/pytorch#190758, open): the gradients are then not
+eager's, and such a point is no valid comparison (``benchmarks/report.py`` sets it apart). Hence the
+``-nodropout`` variants (every ``nn.Dropout`` at p=0), on which torch.compile's gradients are eager's.
 
 FLOPs. A custom backend: ``aot_autograd`` with ``min_cut_rematerialization_partition`` and compilers that
 record the forward and backward fx graphs and run them as they are (``aot_eager``-equivalent); for
@@ -66,6 +72,30 @@ def step(model, args, kwargs):
     out = model(*args, **kwargs)
     out = getattr(out, "logits", out)
     out.backward(torch.ones_like(out))
+
+
+NO_DROPOUT = "-nodropout"
+
+
+def make_case(name: str):
+    """``models.make(name)``; ``<model>-nodropout``: the same model with every dropout at p=0."""
+    if not name.endswith(NO_DROPOUT):
+        return models.make(name)
+    case = models.make(name[:-len(NO_DROPOUT)])
+    for module in case.model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return models.Case(name, case.model, case.args, case.kwargs)
+
+
+def gradients(model, module, args, kwargs) -> dict[str, torch.Tensor]:
+    """Parameter gradients of one step of ``module`` (``model`` or a compiled ``model``) from seed 1."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    step(module, args, kwargs)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
 
 
 def profiler_peak(fn) -> int:
@@ -148,7 +178,7 @@ def eager_reference(case) -> dict:
         step(model, args, kwargs)
     model.zero_grad(set_to_none=True)
     return {"eager_peak": peak, "tracker_peak": tracker, "eager_flops": counter.get_total_flops(),
-            "resident": resident}
+            "resident": resident, "grads": gradients(model, model, args, kwargs)}
 
 
 def compiled_row(case, backend: str, fraction: float, ref: dict) -> dict:
@@ -163,6 +193,9 @@ def compiled_row(case, backend: str, fraction: float, ref: dict) -> dict:
         graphs = recorder.graphs
         peak = ref["resident"] + profiler_peak(lambda: step(compiled, args, kwargs))
         model.zero_grad(set_to_none=True)
+        grads = gradients(model, compiled, args, kwargs)
+    grad_diff = max(float((grads[n] - g).abs().max()) for n, g in ref["grads"].items())
+    grad_scale = max(float(g.abs().max()) for g in ref["grads"].values())
     flops = recorder.flops["fw"] + recorder.flops["bw"]
     notes = [f"{recorder.graphs} fx graphs (fw+bw)"]
     if recorder.graphs != graphs:
@@ -176,12 +209,13 @@ def compiled_row(case, backend: str, fraction: float, ref: dict) -> dict:
             "extra_flops_ratio": round((flops - ref["eager_flops"]) / ref["eager_flops"], 4),
             "fw_flops": recorder.flops["fw"], "bw_flops": recorder.flops["bw"],
             "eager_peak": ref["eager_peak"], "tracker_peak": ref["tracker_peak"],
-            "eager_flops": ref["eager_flops"], "notes": "; ".join(notes)}
+            "eager_flops": ref["eager_flops"], "grad_max_abs_diff": grad_diff, "grad_max_abs": grad_scale,
+            "notes": "; ".join(notes)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["gpt", "gpt2"])
+    parser.add_argument("--models", nargs="+", default=["gpt", "gpt2", "gpt" + NO_DROPOUT, "gpt2" + NO_DROPOUT])
     parser.add_argument("--backends", nargs="+", default=["aot_eager"], choices=["aot_eager", "inductor"])
     parser.add_argument("--fractions", nargs="+", type=float, default=FRACTIONS)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compile_budget.json"))
@@ -191,7 +225,7 @@ def main() -> None:
 
     rows = []
     for name in opts.models:
-        case = models.make(name)
+        case = make_case(name)
         ref = eager_reference(case)
         gap = ref["eager_peak"] / ref["tracker_peak"] - 1
         print(f"[{name}] eager peak: profiler walk {ref['eager_peak']:,} B, tracker {ref['tracker_peak']:,} B "
@@ -207,7 +241,8 @@ def main() -> None:
                            "notes": f"failed: {type(exc).__name__}: {str(exc)[:200]}"}
                 rows.append(row)
                 print(f"  {backend:9s} {fraction:4.2f}  peak {row['measured_peak_bytes']}  "
-                      f"extra_flops {row['extra_flops']}  ({row['notes']})", flush=True)
+                      f"extra_flops {row['extra_flops']}  grad diff {row.get('grad_max_abs_diff')}  "
+                      f"({row['notes']})", flush=True)
 
     if opts.merge and Path(opts.out).exists():
         redone = {(r["model"], r["backend"], r["fraction"]) for r in rows}

@@ -39,6 +39,7 @@ from autorecompute.passes.verify import fake_step_memory  # noqa: E402
 from autorecompute.planner import _decisions, clone_graph_module  # noqa: E402
 from autorecompute.runtime.memory import run_step  # noqa: E402
 from autorecompute.solvers.baselines import sqrt_n_plan  # noqa: E402
+from compile_budget import NO_DROPOUT, make_case  # noqa: E402
 from harness import measured_step  # noqa: E402
 
 SEQUENTIAL_BLOCKS = {"gpt": "blocks", "mlp": "layers", "resnet": "layers", "vgg": "features"}
@@ -68,6 +69,28 @@ def wall_ratio(reference, module, case, reps: int) -> float:
             times.append(time.perf_counter() - started)
         ratios.append(times[1] / times[0])
     return statistics.median(ratios)
+
+
+def head_to_head(reference, modules: dict, case, reps: int) -> dict:
+    """Median ratio to ``reference`` of each module, all interleaved in every repetition (in rotating order),
+    so the machine's drift cancels between the methods compared as well as against the reference."""
+    ratios = {name: [] for name in modules}
+    order = list(modules)
+    for i in range(reps):
+        started = time.perf_counter()
+        run_step(reference, case.args, case.kwargs)
+        base = time.perf_counter() - started
+        for name in order[i % len(order):] + order[:i % len(order)]:
+            started = time.perf_counter()
+            run_step(modules[name], case.args, case.kwargs)
+            ratios[name].append((time.perf_counter() - started) / base)
+    out = {name: statistics.median(r) for name, r in ratios.items()}
+    first, second = order[:2]
+    between = sorted(b / a for a, b in zip(ratios[first], ratios[second]))
+    out[f"{second} / {first}"] = statistics.median(between)
+    out[f"{second} / {first} quartiles"] = (between[len(between) // 4], between[3 * len(between) // 4])
+    out["reps"] = reps
+    return out
 
 
 def grad_diff(a, b) -> float:
@@ -144,6 +167,14 @@ def max_batch(case, budget: int, limit: float) -> dict:
 COMPILE_BUDGET = ROOT / "benchmarks" / "results" / "compile_budget.json"
 
 
+def compile_gradients_exact(row: dict) -> bool:
+    """Whether a compile_budget.py row's gradients are eager's (see report.GRADIENT_TOLERANCE)."""
+    from report import GRADIENT_TOLERANCE
+
+    diff = row.get("grad_max_abs_diff")
+    return diff is not None and diff <= GRADIENT_TOLERANCE * row.get("grad_max_abs", 1.0)
+
+
 def compile_budget_rows(name: str) -> list[dict]:
     """torch.compile (aot_eager) points below the compiled baseline, as measured by compile_budget.py."""
     if not COMPILE_BUDGET.exists():
@@ -152,43 +183,77 @@ def compile_budget_rows(name: str) -> list[dict]:
     return [r for r in rows if r["fraction"] < 1.0]
 
 
-def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]:
-    case = models.make(name)
-    model = case.model
-    initial = copy.deepcopy(model.state_dict())
-    rows: list[dict] = []
-    reps = 3 if quick else 7
+class Bench:
+    """One model's reference (eager peak, gradients, FLOPs) and the rows measured against it."""
 
-    def reset():
-        model.load_state_dict(initial)
-        for p in model.parameters():
+    def __init__(self, name: str, case, rows: list[dict], reps: int):
+        self.name, self.case, self.model, self.rows, self.reps = name, case, case.model, rows, reps
+        self.initial = copy.deepcopy(self.model.state_dict())
+        self.modules: dict[str, torch.nn.Module] = {}
+        self.eager = measured_step(self.model, self.model, case.args, case.kwargs, seed=1)
+        self.eager_flops = step_flops(self.model, case)
+
+    def reset(self):
+        self.model.load_state_dict(self.initial)
+        for p in self.model.parameters():
             p.grad = None
 
-    eager = measured_step(model, model, case.args, case.kwargs, seed=1)
-    eager_flops = step_flops(model, case)
-
-    def record(method, module, budget=None, plan_time=0.0, status=""):
-        reset()
+    def record(self, method, module, budget=None, plan_time=0.0, status=""):
+        """Measures ``module`` (peak, extra FLOPs, wall ratio, gradient difference) and appends its row."""
+        self.modules[method] = module
+        self.reset()
+        model, case = self.model, self.case
         try:
             result = measured_step(module, model, case.args, case.kwargs, seed=1)
         except RuntimeError as error:      # naive √N breaks on an in-place op at a segment boundary
             reason = str(error).splitlines()[0][:160]
             print(f"  {method:<28} FAILED: {reason}", flush=True)
-            rows.append({"model": name, "method": method, "budget": budget, "peak": None, "peak_ratio": None,
-                         "extra_flops": None, "extra_flops_ratio": None, "wall_ratio": None, "plan_time": plan_time,
-                         "grad_max_abs_diff": None, "fits": False, "status": f"failed: {reason}"})
+            self.rows.append({"model": self.name, "method": method, "budget": budget, "peak": None,
+                              "peak_ratio": None, "extra_flops": None, "extra_flops_ratio": None, "wall_ratio": None,
+                              "plan_time": plan_time, "grad_max_abs_diff": None, "fits": False,
+                              "status": f"failed: {reason}"})
             return None
-        extra = step_flops(module, case) - eager_flops
-        row = {"model": name, "method": method, "budget": budget, "peak": result.peak,
-               "peak_ratio": result.peak / eager.peak, "extra_flops": extra, "extra_flops_ratio": extra / eager_flops,
-               "wall_ratio": wall_ratio(model, module, case, reps), "plan_time": plan_time,
-               "grad_max_abs_diff": grad_diff(eager, result), "fits": budget is None or result.peak <= budget,
+        extra = step_flops(module, case) - self.eager_flops
+        row = {"model": self.name, "method": method, "budget": budget, "peak": result.peak,
+               "peak_ratio": result.peak / self.eager.peak, "extra_flops": extra,
+               "extra_flops_ratio": extra / self.eager_flops,
+               "wall_ratio": wall_ratio(model, module, case, self.reps), "plan_time": plan_time,
+               "grad_max_abs_diff": grad_diff(self.eager, result), "fits": budget is None or result.peak <= budget,
                "status": status}
-        rows.append(row)
+        self.rows.append(row)
         print(f"  {method:<28} peak {format_bytes(row['peak']):>11} ({row['peak_ratio']:.2f}x)  "
               f"+FLOPs {100 * row['extra_flops_ratio']:5.1f}%  wall {row['wall_ratio']:.2f}x  "
               f"grad diff {row['grad_max_abs_diff']:.1e} {status}", flush=True)
         return row
+
+    def at_compile_peaks(self, compile_name: str, suffix: str, limit: float) -> None:
+        """Least-FLOPs plans at the peaks torch.compile's activation_memory_budget reached on
+        ``compile_name`` (benchmarks/compile_budget.py), measured on this bench's model."""
+        for row in compile_budget_rows(compile_name):
+            budget = row["measured_peak_bytes"]
+            self.reset()
+            started = time.perf_counter()
+            # goal 3 counts FLOPs, as torch.compile's partitioner does (it fuses the elementwise ops it recomputes)
+            compiled = autorecompute.compile(self.model, budget=budget, solver_time_limit=limit, actions=RECOMPUTE,
+                                             objective="flops")
+            try:
+                compiled.prepare(*self.case.args, **self.case.kwargs)
+            except autorecompute.InfeasibleBudgetError:
+                continue
+            plan = compiled.plan
+            self.record(f"autorecompute (least FLOPs) @ torch.compile({row['fraction']}) peak{suffix}", compiled,
+                        budget=budget, plan_time=time.perf_counter() - started,
+                        status=plan.solver_status + (f"; {len(plan.stash)} stashed" if plan.stash else ""))
+
+
+def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]:
+    case = models.make(name)
+    model = case.model
+    rows: list[dict] = []
+    reps = 3 if quick else 7
+    bench = Bench(name, case, rows, reps)
+    eager, eager_flops, record, reset = bench.eager, bench.eager_flops, bench.record, bench.reset
+    kept_modules = bench.modules
 
     print(f"{name}: eager peak {format_bytes(eager.peak)}", flush=True)
     rows.append({"model": name, "method": "eager", "budget": None, "peak": eager.peak, "peak_ratio": 1.0,
@@ -251,23 +316,24 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
             plan = compiled.plan
             record(label, compiled, budget=budget, plan_time=time.perf_counter() - started,
                    status=plan.solver_status + (f"; {len(plan.stash)} stashed" if plan.stash else ""))
-    # at the peaks torch.compile's activation_memory_budget reached (benchmarks/compile_budget.py)
-    for row in compile_budget_rows(name):
-        budget = row["measured_peak_bytes"]
+    # at the peaks torch.compile's activation_memory_budget reached (benchmarks/compile_budget.py); below 1.0
+    # its gradients differ from eager's where it redraws a dropout (pytorch#190758), so the same model without
+    # dropout is measured too: there both sides compute eager's gradients
+    bench.at_compile_peaks(name, "", limit)
+    if compile_budget_rows(name + NO_DROPOUT):
+        variant = Bench(name, make_case(name + NO_DROPOUT), rows, reps)
+        variant.at_compile_peaks(name + NO_DROPOUT, " (no dropout)", limit)
+        del variant
+    # goal 5: √N and our plan at its peak timed side by side, interleaved with eager, more repetitions
+    at_sqrt = kept_modules.get("autorecompute @ sqrt_n peak")
+    wall = None
+    if at_sqrt is not None:
         reset()
-        started = time.perf_counter()
-        # goal 3 counts FLOPs, as torch.compile's partitioner does (it fuses the elementwise ops it recomputes)
-        compiled = autorecompute.compile(model, budget=budget, solver_time_limit=limit, actions=RECOMPUTE,
-                                         objective="flops")
-        try:
-            compiled.prepare(*case.args, **case.kwargs)
-        except autorecompute.InfeasibleBudgetError:
-            continue
-        plan = compiled.plan
-        record(f"autorecompute (least FLOPs) @ torch.compile({row['fraction']}) peak", compiled, budget=budget,
-               plan_time=time.perf_counter() - started,
-               status=plan.solver_status + (f"; {len(plan.stash)} stashed" if plan.stash else ""))
-    summary = {"model": name, "eager_peak": eager.peak, "minimum_peak": minimum["autorecompute"],
+        wall = head_to_head(model, {"sqrt_n": kept_modules[reference["method"]], "autorecompute": at_sqrt}, case,
+                            reps=7 if quick else 31)
+        print(f"  wall head to head: {wall}", flush=True)
+    kept_modules.clear()
+    summary = {"model": name, "eager_peak": eager.peak, "wall_at_sqrt_n_peak": wall, "minimum_peak": minimum["autorecompute"],
                "minimum_peak_offload": minimum["autorecompute+offload"],
                "minimum_peak_compress": minimum["autorecompute compress:bfloat16 (lossy)"], "sqrt_n_peak": sqrt_peak,
                "sqrt_n_method": reference["method"], "lowest_sqrt_n_peak": lowest["peak"],
@@ -310,6 +376,11 @@ def pareto_plot(name: str, rows: list[dict], path: Path) -> None:
         if points:
             ax.plot([100 * r["extra_flops_ratio"] for r in points], [r["measured_peak_bytes"] / 2**20 for r in points],
                     "P--", color="#6aa84f", label="torch.compile activation_memory_budget 0-1 (aot_eager)")
+            wrong = [r for r in points if not compile_gradients_exact(r)]
+            if wrong:
+                ax.plot([100 * r["extra_flops_ratio"] for r in wrong], [r["measured_peak_bytes"] / 2**20 for r in wrong],
+                        "o", mfc="none", mec="#cc0000", ms=12,
+                        label="torch.compile: gradients not eager's (dropout redrawn, pytorch#190758)")
     ax.set_xlabel("extra FLOPs over eager (%) — offload and compress cost transfers/casts, not FLOPs")
     ax.set_ylabel("measured peak (MiB)")
     ax.set_title(f"{name}: measured peak vs recompute (red dashes: budgets)")
