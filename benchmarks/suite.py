@@ -274,7 +274,7 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
         hf = copy.deepcopy(model)
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         reset()
-        hf.load_state_dict(initial)
+        hf.load_state_dict(bench.initial)
         result = measured_step(hf, hf, case.args, case.kwargs, seed=1)
         extra = step_flops(hf, case) - eager_flops
         rows.append({"model": name, "method": "per-block (HF gradient_checkpointing)", "budget": None,
@@ -296,6 +296,7 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
     for tag, actions, points in (("autorecompute", RECOMPUTE, 3 if quick else 5),
                                  ("autorecompute+offload", OFFLOAD, 2 if quick else 3),
                                  ("autorecompute compress:bfloat16 (lossy)", COMPRESS, 1)):
+        reset()       # no gradients left by the rows before: they would count as resident state
         minimum[tag] = low = minimum_peak(case, limit, actions)
         budgets = [low + (baseline - low) * i // max(1, points - 1) for i in range(points)] if points > 1 else [low]
         extra = [(f"{tag} @ sqrt_n peak", sqrt_peak, "time")] if actions != COMPRESS else []
