@@ -16,7 +16,9 @@ checks both on every assignment of small problems). Regions are the maximal runs
   is held by a kept saver and by no region, its held interval ``[hold_start, save_end]`` is replaced by
   the stored copy over ``[stored_from, save_end]`` and the restored tensor over ``[restored_from,
   save_end]``; a stash choice that is not valid for the decisions (see :func:`stash_valid`) has no effect
-  (and no cost).
+  (and no cost);
+* a chain rematerialization of ``t`` (``"rematerialize:chain"``) also replaces the held interval of each
+  activation ``d`` it delivers by ``[t's restored_from, d.save_end]`` (see :func:`effective_stash`).
 """
 from __future__ import annotations
 
@@ -72,11 +74,53 @@ def _holders(act, region: list[int], index: Mapping[str, int]) -> tuple[int, boo
     return owner_region, as_input, by_saver
 
 
-def stash_valid(option, recompute: Mapping[str, bool], stash: Stash, by_saver: bool, as_input: bool) -> bool:
-    """Whether a stash ``option`` takes effect: a kept saver packs the tensor, no region holds it as an
-    input, the ops it needs are kept and the activations it needs are not stashed (raw choices)."""
+def stash_valid(option, recompute: Mapping[str, bool], stashed: Stash | set[str], by_saver: bool,
+                as_input: bool) -> bool:
+    """Whether a stash ``option`` takes effect, as far as its own activation says: a kept saver packs the
+    tensor, no region holds it as an input, the ops it needs are kept and the activations it needs are not
+    stashed (``stashed``: the raw choices and what they deliver)."""
     return (by_saver and not as_input and not any(recompute.get(op) for op in option.needs_kept)
-            and not any(name in stash for name in option.needs_unstashed))
+            and not any(name in stashed for name in option.needs_unstashed))
+
+
+def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None) -> dict[str, str]:
+    """The stash choices that take effect under ``recompute`` (the others are dropped). A chain
+    rematerialization takes effect only when every activation it delivers could be stashed itself and is
+    taken by no other choice."""
+    if not stash:
+        return {}
+    index = problem.index()
+    region = region_ids(problem, recompute)
+    by_name = {act.name: act for act in problem.activations}
+    chosen = {name: option for name, action in stash.items()
+              if (option := problem.stash_option(name, action)) is not None}
+    taken: dict[str, int] = {}
+    for name, option in chosen.items():
+        for taken_name in (name, *option.delivers):
+            taken[taken_name] = taken.get(taken_name, 0) + 1
+    stashed = set(taken)
+
+    def can_stash(act) -> bool:
+        _, as_input, by_saver = _holders(act, region, index)
+        return bool(act.savers) and act.save_end >= act.hold_start and by_saver and not as_input
+
+    effective = {}
+    for name, option in chosen.items():
+        act = by_name.get(name)
+        if act is None or not can_stash(act) or not stash_valid(option, recompute, stashed, True, False):
+            continue
+        if all(taken[d] == 1 and d in by_name and can_stash(by_name[d]) for d in option.delivers):
+            effective[name] = stash[name]
+    return effective
+
+
+def delivered(problem: Problem, effective: Mapping[str, str]) -> dict[str, object]:
+    """Activation → the effective chain option that makes it again (``StashOption.delivers``)."""
+    made_by = {}
+    for name, action in effective.items():
+        option = problem.stash_option(name, action)
+        made_by.update({d: option for d in option.delivers})
+    return made_by
 
 
 def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None):
@@ -86,14 +130,17 @@ def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None
     index = problem.index()
     first_saver = _first_savers(problem, index)
     region = region_ids(problem, recompute)
-    stash = stash or {}
+    effective = effective_stash(problem, recompute, stash)
+    made_by = delivered(problem, effective)
     for act in problem.activations:
         owner_region, as_input, by_saver = _holders(act, region, index)
         if act.savers and (by_saver or as_input) and act.save_end >= act.hold_start:
-            option = problem.stash_option(act.name, stash.get(act.name))
-            if option is not None and stash_valid(option, recompute, stash, by_saver, as_input):
+            option = problem.stash_option(act.name, effective.get(act.name))
+            if option is not None:
                 yield act, option.stored_from, act.save_end, "stashed", option.stored_bytes
                 yield act, option.restored_from, act.save_end, "stashed", act.nbytes
+            elif act.name in made_by:
+                yield act, made_by[act.name].restored_from, act.save_end, "stashed", act.nbytes
             else:
                 yield act, act.hold_start, act.save_end, "held", act.nbytes
         if as_input and act.read_end >= max(act.hold_start, act.save_end + 1):
@@ -106,25 +153,6 @@ def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None
                 end += 1
             if index[first] <= end:
                 yield act, index[first], end, "recomputed", act.nbytes
-
-
-def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None) -> dict[str, str]:
-    """The stash choices that take effect under ``recompute`` (the others are dropped)."""
-    if not stash:
-        return {}
-    index = problem.index()
-    region = region_ids(problem, recompute)
-    effective = {}
-    for act in problem.activations:
-        action = stash.get(act.name)
-        option = problem.stash_option(act.name, action) if action is not None else None
-        if option is None:
-            continue
-        _, as_input, by_saver = _holders(act, region, index)
-        if act.savers and act.save_end >= act.hold_start and stash_valid(option, recompute, stash, by_saver,
-                                                                          as_input):
-            effective[act.name] = action
-    return effective
 
 
 def held_at(problem: Problem, recompute: Mapping[str, bool], position: int,
@@ -200,8 +228,8 @@ def predicted_peak(problem: Problem, recompute: Mapping[str, bool], stash: Stash
 def extra_flops(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> int:
     """FLOPs run again in backward: recomputed regions, and the recipes of rematerialized activations."""
     again = sum(problem.flops.get(op, 0) for op, on in recompute.items() if on and op in problem.recomputable)
-    remat = [name for name, action in effective_stash(problem, recompute, stash).items() if action == "rematerialize"]
-    recipes = [problem.stash_option(name, "rematerialize").recipe for name in remat]
+    recipes = [problem.stash_option(name, action).recipe
+               for name, action in effective_stash(problem, recompute, stash).items()]
     return again + sum(problem.flops.get(op, 0) for recipe in recipes for op in recipe)
 
 

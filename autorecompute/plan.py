@@ -3,7 +3,7 @@
 A frozen, JSON-serializable record keyed by node name. ``decisions`` maps every op the solver could act on
 to ``"keep"`` or ``"recompute"``; ``stash`` maps every activation taken off the device (``"offload"``),
 stored smaller (``"compress:<dtype>"``) or dropped and made again by its own op when backward needs it
-(``"rematerialize"``) to a :class:`StashRecord`; ``nodes`` carries what a person needs to
+(``"rematerialize"``; ``"rematerialize:chain"``: by a chain of ops that makes other saved tensors again too) to a :class:`StashRecord`; ``nodes`` carries what a person needs to
 read it (shape, dtype, bytes, module path, FLOPs).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from autorecompute.budget import format_bytes
 
-SCHEMA_VERSION = 3          # 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``; 2: ``stash``
+SCHEMA_VERSION = 4          # 4: the ``rematerialize:chain`` action, ``delivers`` / ``delivered_by``; 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``; 2: ``stash``
 ACTIONS = ("keep", "recompute", "rematerialize", "offload", "compress")
 
 
@@ -32,6 +32,9 @@ class StashRecord:
         expected_error: ``"exact"`` for offload and rematerialize, the codec's error bound for compress.
         prefetch_event: backward event from which it may be back on the device.
         recipe: for rematerialize, the ops run again to make it (its own op last).
+        delivers: for ``"rematerialize:chain"``, the saved tensors its recipe makes again on the way (each
+            has its own record, with ``delivered_by`` naming this one).
+        delivered_by: the chain-rematerialized tensor whose recipe makes this one again.
     """
 
     action: str
@@ -43,6 +46,8 @@ class StashRecord:
     expected_error: str
     prefetch_event: int
     recipe: tuple[str, ...] = ()
+    delivers: tuple[str, ...] = ()
+    delivered_by: str = ""
 
     @property
     def saved_bytes(self) -> int:
@@ -179,7 +184,7 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         data = json.loads(text)
         version = data.pop("schema_version", None)
-        if version not in (1, 2, SCHEMA_VERSION):
+        if version not in (1, 2, 3, SCHEMA_VERSION):
             raise ValueError(f"plan JSON has schema_version {version!r}; this autorecompute reads "
                              f"1 to {SCHEMA_VERSION}")
         known = {f.name for f in fields(cls)}
@@ -188,7 +193,8 @@ class Plan:
         data["nodes"] = {k: NodeRecord(**{**v, "shape": tuple(v["shape"])}) for k, v in data["nodes"].items()}
         data["edges"] = tuple(tuple(e) for e in data.get("edges", ()))
         data["at_peak"] = tuple(data.get("at_peak", ()))
-        data["stash"] = {k: StashRecord(**{**v, "shape": tuple(v["shape"]), "recipe": tuple(v.get("recipe", ()))})
+        data["stash"] = {k: StashRecord(**{**v, "shape": tuple(v["shape"]), "recipe": tuple(v.get("recipe", ())),
+                                           "delivers": tuple(v.get("delivers", ()))})
                          for k, v in data.get("stash", {}).items()}
         return cls(**data)
 
@@ -257,11 +263,15 @@ def _why(action: str, node: NodeRecord, held_at_peak: bool, stashed: list[StashR
                 else "copied back when backward needs it"
             cheaper = f"; cheaper than recomputing {node.flops:.3g} FLOPs" if node.flops else ""
             return f"offloaded {format_bytes(moved)}, {when}{cheaper}"
-        if all(r.action == "rematerialize" for r in stashed):
+        if all(r.action.startswith("rematerialize") for r in stashed):
+            if all(r.delivered_by for r in stashed):
+                return (f"rematerialized: {format_bytes(moved)} dropped after forward, made again by the recipe "
+                        f"of {', '.join(sorted({r.delivered_by for r in stashed}))} when backward needs it")
             ops = max(len(r.recipe) for r in stashed)
             how = "its op" if ops <= 1 else f"{ops} ops"
+            also = sorted({d for r in stashed for d in r.delivers})
             return (f"rematerialized: {format_bytes(moved)} dropped after forward, {how} run again on held "
-                    f"inputs when backward needs it")
+                    f"inputs when backward needs it" + (f" (making {', '.join(also)} again too)" if also else ""))
         return f"compressed: {format_bytes(moved)} off the device until backward ({stashed[0].expected_error})"
     if action == "recompute":
         if node.held_bytes == 0:

@@ -163,9 +163,10 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
         if stash:
             prefetch = {name: problem.stash_option(name, action).restored_from - problem.num_forward
                         for name, action in stash.items()}
-            recipes = {name: problem.stash_option(name, action).recipe for name, action in stash.items()
-                       if action == "rematerialize"}
-            candidate = StashedModule(rewrite_stash(candidate, stash, prefetch, runtime, recipes))
+            chosen = {name: problem.stash_option(name, action) for name, action in stash.items()}
+            recipes = {name: option.recipe for name, option in chosen.items() if option.recipe}
+            delivers = {name: option.delivers for name, option in chosen.items() if option.delivers}
+            candidate = StashedModule(rewrite_stash(candidate, stash, prefetch, runtime, recipes, delivers))
         return candidate, fake_step_memory(candidate, args, kwargs).peak
 
     # 1. The lowest peak reachable: the minimum budget, the fallback, and the hint of the cost solve.
@@ -288,7 +289,13 @@ def _stash_records(gm: torch.fx.GraphModule, problem: Problem, stash: dict[str, 
                                     stored_bytes=option.stored_bytes, shape=tuple(tensor.shape), dtype=tensor.dtype,
                                     expected_error=error,
                                     prefetch_event=option.restored_from - problem.num_forward,
-                                    recipe=option.recipe)
+                                    recipe=option.recipe, delivers=option.delivers)
+        for other in option.delivers:     # made again by this recipe, on its way
+            made = profile.tensors[other]
+            records[other] = StashRecord(action=action, owner=made.owner, nbytes=made.nbytes, stored_bytes=0,
+                                         shape=tuple(made.shape), dtype=made.dtype, expected_error="exact",
+                                         prefetch_event=option.restored_from - problem.num_forward,
+                                         delivered_by=name)
     return records
 
 

@@ -54,9 +54,10 @@ class StashOption:
     ``needs_kept`` are kept and the activations in ``needs_unstashed`` are not stashed.
 
     Attributes:
-        action: ``"offload"``, ``"offload:late"`` (no prefetch), ``"compress:<dtype>"``, or
+        action: ``"offload"``, ``"offload:late"`` (no prefetch), ``"compress:<dtype>"``,
             ``"rematerialize"`` (dropped after forward, recomputed by its op from held inputs when backward
-            first needs it).
+            first needs it), or ``"rematerialize:chain"`` (the same through a chain of ops back past other
+            saved tensors, which it makes again too: ``delivers``).
         stored_bytes: device bytes of the stored copy.
         stored_from: position where the stored copy is made (the first saver's forward).
         restored_from: position from which the full tensor is back on the device.
@@ -66,6 +67,9 @@ class StashOption:
             keep its inputs on the device until its last use).
         needs_unstashed: activations that must stay on the device (a rematerialized tensor's inputs).
         recipe: the ops a rematerialization runs again, in graph order (its own op last).
+        delivers: saved activations the recipe makes on its way (``"rematerialize:chain"``): dropped after
+            forward too, and back on the device from ``restored_from`` to their own ``save_end``. Valid only
+            while no other choice stashes them, a kept saver holds them and no region holds them as inputs.
     """
 
     action: str
@@ -76,6 +80,7 @@ class StashOption:
     needs_kept: tuple[str, ...] = ()
     needs_unstashed: tuple[str, ...] = ()
     recipe: tuple[str, ...] = ()
+    delivers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@
 
 For each model, the largest value over the step of ``Problem.fixed`` — resident state, gradients,
 activations during their forward life and autograd's backward temporaries, calibrated on the measured
-step — which no keep / recompute / rematerialize / offload / compress decision changes.
+step — plus, at a backward position, the activations that op's backward reads (whatever a plan does with
+them in between, they are on the device while it runs). No keep / recompute / rematerialize / offload /
+compress decision goes below it.
 """
 from __future__ import annotations
 
@@ -27,7 +29,17 @@ def floor(name: str) -> int:
     case = models.make(name)
     gm = capture(case.model, case.args, case.kwargs)
     profile_step(gm, case.args, case.kwargs)
-    return max(build_problem(gm).fixed)
+    problem = build_problem(gm)
+    return lower_bound(problem)
+
+
+def lower_bound(problem) -> int:
+    """max over positions of ``fixed`` plus the bytes the backward op there reads from forward."""
+    saved_by: dict[str, int] = {}
+    for act in problem.activations:
+        for saver in act.savers:
+            saved_by[saver] = saved_by.get(saver, 0) + act.nbytes
+    return max(fixed + saved_by.get(problem.backward_op.get(p, ""), 0) for p, fixed in enumerate(problem.fixed))
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from autorecompute.transfer import CPU_DISK, TransferModel
 LOSSY_COST = {"bfloat16": 1, "float16": 1, "float8": 2, "int8": 2}   # per byte compressed: prefer exact dtypes
 MAX_PREFETCH_LEAD = 8   # backward positions a prefetch may start before the first use
 MAX_RECIPE_OPS = 8      # ops one rematerialization may run again (an elementwise chain back to held inputs)
+MAX_CHAIN_HEAVY_OPS = 1  # ops with FLOPs a chain rematerialization may run (one matmul per tensors it frees)
 
 
 def is_transparent(node: torch.fx.Node) -> bool:
@@ -113,10 +114,12 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
     if recompute:
         by_name = {act.name: act for act in activations}
         for act in activations:
-            option = rematerialize_option(nodes.get(act.name), act, profile, by_name, recomputable,
-                                          backward_position, cost, num_forward, last, device)
-            if option is not None:
-                options[act.name] = (option,)
+            found = tuple(option for chain in (False, True)
+                          if (option := rematerialize_option(nodes.get(act.name), act, profile, by_name, recomputable,
+                                                             backward_position, cost, num_forward, last, device,
+                                                             chain)) is not None)
+            if found:
+                options[act.name] = found
     if offload is not None or compress_dtypes:
         work = [cost.get(op, 0) for op in profile.order]
         work += [2 * cost.get(backward_op.get(p, ""), 0) for p in range(num_forward, num_positions)]
@@ -196,7 +199,7 @@ def first_backward_use(saver_backward: list[int | None], last: int, num_forward:
 
 def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, activations: dict[str, Activation],
                          recomputable: frozenset[str], backward_position, cost: dict[str, int], num_forward: int,
-                         last: int, device: TransferModel = CPU_DISK) -> StashOption | None:
+                         last: int, device: TransferModel = CPU_DISK, chain: bool = False) -> StashOption | None:
     """Dropping ``act`` after forward and running its op again — with the ops that made its inputs, back to
     inputs that stay on the device anyway — when backward first needs it. A checkpointed region cannot do
     this without recomputing the op that saved ``act`` too.
@@ -208,25 +211,42 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
     stay in the outer graph (``needs_kept``). The runtime holds references to the bases only, so they live
     no longer than autograd keeps them anyway. Only ``act``'s own op may be random (its RNG state is
     replayed). Offered for one contiguous tensor output.
+
+    With ``chain`` (action ``"rematerialize:chain"``) the walk also goes through held inputs that are saved
+    activations the recipe can hand over (``delivers``: dropped after forward as well, back from ``act``'s
+    first use), while the recipe runs at most ``MAX_CHAIN_HEAVY_OPS`` ops with FLOPs: a GELU output made
+    from the linear output before the previous GELU frees that linear output and the GELU output it reads
+    for one matmul, where two single-op recipes cannot (each would need the other's tensor held). Offered
+    only when it delivers something.
     """
     if node is None or node.op != "call_function" or act.owner != node.name or node.name not in recomputable:
         return None
-    if not act.savers or act.save_end < act.hold_start:
+    if not act.savers or act.save_end < act.hold_start or not _whole_tensor(node, act.nbytes):
         return None
-    value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor) or not value.is_contiguous():
-        return None
-    if value.numel() * value.element_size() != act.nbytes:
-        return None
-    if is_random(node) and value.device.type not in ("cpu", "cuda"):
+    if is_random(node) and node.meta["val"].device.type not in ("cpu", "cuda"):
         return None           # the RNG state is replayed for the CPU and CUDA generators only
 
     def position(s: str) -> int:
         p = backward_position(s)
         return last if p is None else p
 
+    first_use = first_backward_use([backward_position(s) for s in act.savers], last, num_forward)
+
+    def deliverable(arg: torch.fx.Node, storage: str) -> bool:
+        """A held input the chain may make again and hand over: a whole saved tensor of a plain op, needed
+        in backward no earlier than ``act``."""
+        source = activations.get(storage)
+        if chain is False or source is None or arg.name != storage or arg.name not in recomputable:
+            return False
+        if is_random(arg) or updates_state(arg) or not _whole_tensor(arg, source.nbytes):
+            return False
+        if not source.savers or source.save_end < source.hold_start:
+            return False
+        return first_backward_use([backward_position(s) for s in source.savers], last, num_forward) >= first_use
+
     recipe: dict[str, torch.fx.Node] = {}
-    needs_kept, needs_unstashed = [], []
+    needs_kept, needs_unstashed, delivers = [], [], []
+    heavy = int(node_info(node).flops > 0)      # ops with FLOPs in the recipe, counted as they join it
     visiting = [node]
     while visiting:
         n = visiting.pop()
@@ -257,20 +277,37 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
                 if tensor is None or tensor.is_output or not tensor.nbytes:
                     continue                  # graph outputs live to the end
             guards = [s for s in source.savers if position(s) >= act.save_end] if source is not None else []
-            if guards:                        # a base: held by a kept saver until act's last use
+            if guards and storage not in delivers and not (
+                    deliverable(arg, storage) and heavy + (arg_info.flops > 0) <= MAX_CHAIN_HEAVY_OPS):
+                # a base: held by a kept saver until act's last use
                 if not any(s not in recomputable for s in guards):
                     needs_kept.append(max(guards, key=position))
                 if arg.name in recomputable:
                     needs_kept.append(arg.name)   # its value is read from the outer graph
                 needs_unstashed.append(storage)
             else:
+                if guards and storage not in delivers:
+                    delivers.append(storage)  # held, but made again here and handed over
+                if arg.name not in recipe and arg not in visiting:
+                    heavy += arg_info.flops > 0
                 visiting.append(arg)          # made again too
+    if chain and not delivers:
+        return None
     order = sorted(recipe, key=lambda name: node_info(recipe[name]).position)
-    first_use = first_backward_use([backward_position(s) for s in act.savers], last, num_forward)
-    return StashOption("rematerialize", stored_bytes=0, stored_from=act.hold_start, restored_from=first_use,
-                       cost=device.seconds_to_cost(device.stash_seconds) + sum(cost[op] for op in order),
+    overhead = device.seconds_to_cost(device.stash_seconds) * (1 + len(delivers))
+    return StashOption("rematerialize:chain" if chain else "rematerialize", stored_bytes=0,
+                       stored_from=act.hold_start, restored_from=first_use,
+                       cost=overhead + sum(cost[op] for op in order),
                        needs_kept=tuple(dict.fromkeys([*order, *needs_kept])),
-                       needs_unstashed=tuple(dict.fromkeys(needs_unstashed)), recipe=tuple(order))
+                       needs_unstashed=tuple(dict.fromkeys(needs_unstashed)), recipe=tuple(order),
+                       delivers=tuple(delivers))
+
+
+def _whole_tensor(node: torch.fx.Node, nbytes: int) -> bool:
+    """``node`` makes one contiguous tensor of ``nbytes`` (a rematerialization makes it whole again)."""
+    value = node.meta.get("val")
+    return (isinstance(value, torch.Tensor) and value.is_contiguous()
+            and value.numel() * value.element_size() == nbytes)
 
 
 def _written_bytes(profile, node: torch.fx.Node) -> int:

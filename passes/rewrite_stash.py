@@ -6,6 +6,8 @@ activation the plan stashes it inserts, in the outer graph (see ``runtime/stash.
 
 * ``stash_offload`` / ``stash_compress`` (the cast) / ``stash_rematerialize`` (the recipe: the op and its
   inputs) right after the value is made, and ``stash_rng_state`` right before it when the op is random,
+* ``stash_delivered`` right after a value a chain rematerialization makes again on its way (its handle goes
+  to that rematerialization's ``stash_rematerialize`` node, whose recipe returns both),
 * ``stash_watch`` before the node that makes it (saves until its stash node are taken over),
 * ``stash_hooks_on`` / ``stash_hooks_off`` around every kept op that saves it: saved-tensor hooks run
   only there (and between ``stash_watch`` and the stash node, and in a stash scope),
@@ -32,7 +34,8 @@ from autorecompute.passes.build_problem import is_random
 from autorecompute.passes.profile import NodeInfo, step_profile
 from autorecompute.passes.rewrite_recompute import REGION_MEMBERS, SOURCE
 from autorecompute.runtime.stash import (StashRuntime, stash_compress, stash_offload, stash_prefetch,
-                                         stash_release, stash_rematerialize, stash_rng_state, stash_scope_begin,
+                                         stash_delivered, stash_release, stash_rematerialize, stash_rng_state,
+                                         stash_scope_begin,
                                          stash_scope_end, stash_hooks_off, stash_hooks_on, stash_watch)
 
 RUNTIME = "stash_runtime"
@@ -55,9 +58,11 @@ def _info(node: torch.fx.Node) -> NodeInfo | None:
     return info if isinstance(info, NodeInfo) else None
 
 
-def _recipe_module(chain: list[torch.fx.Node]) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
+def _recipe_module(chain: list[torch.fx.Node], delivers: list[torch.fx.Node] = ()
+                   ) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
     """The ops of a rematerialization recipe as a GraphModule over its bases (the inputs it reads that it
-    does not make), and those bases."""
+    does not make), and those bases. It returns its last op's value, or that and the values of ``delivers``
+    (a chain rematerialization)."""
     graph, env, bases = torch.fx.Graph(), {}, []
     members = set(chain)
     for node in chain:
@@ -66,21 +71,24 @@ def _recipe_module(chain: list[torch.fx.Node]) -> tuple[torch.fx.GraphModule, li
                 env[arg] = graph.placeholder(f"base_{len(bases)}")
                 bases.append(arg)
         env[node] = graph.node_copy(node, lambda a: env[a])
-    graph.output(env[chain[-1]])
+    graph.output((env[chain[-1]], *[env[node] for node in delivers]) if delivers else env[chain[-1]])
     return torch.fx.GraphModule(torch.nn.Module(), graph), bases
 
 
 def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_at: Mapping[str, int],
-                  runtime: StashRuntime, recipes: Mapping[str, tuple[str, ...]] | None = None) -> torch.fx.GraphModule:
+                  runtime: StashRuntime, recipes: Mapping[str, tuple[str, ...]] | None = None,
+                  delivers: Mapping[str, tuple[str, ...]] | None = None) -> torch.fx.GraphModule:
     """Rewrites ``gm`` in place (and returns it) so the activations in ``stash`` are stashed as the plan says.
 
     Args:
-        stash: tensor name → ``"offload"``, ``"offload:late"``, ``"compress:<dtype>"`` or ``"rematerialize"``
-            (the plan's choices).
+        stash: tensor name → ``"offload"``, ``"offload:late"``, ``"compress:<dtype>"``, ``"rematerialize"`` or
+            ``"rematerialize:chain"`` (the plan's choices).
         prefetch_at: tensor name → backward event from which an offloaded tensor may be back on the device.
         runtime: the tiers; added as the submodule ``stash_runtime``.
         recipes: rematerialized tensor → the ops its recipe runs again (default: its own op alone); a
             longer recipe becomes the submodule ``remat_<tensor>``.
+        delivers: chain-rematerialized tensor → the saved tensors its recipe makes again on its way; each
+            gets a ``stash_delivered`` node, whose handle the recipe's ``stash_rematerialize`` node takes.
     """
     if not stash:
         return gm
@@ -105,7 +113,7 @@ def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_a
     with graph.inserting_before(first):
         runtime_node = graph.get_attr(RUNTIME)
     def prefetch(name: str, handle: torch.fx.Node, value: torch.fx.Node, *extra) -> None:
-        if stash[name] != "offload" or name not in prefetch_at:
+        if stash.get(name) != "offload" or name not in prefetch_at:
             return
         trigger = next((node for event, node in triggers if event >= prefetch_at[name]), None)
         if trigger is not None:
@@ -134,17 +142,25 @@ def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_a
         for name in names:
             prefetch(name, end, node, name)
 
+    delivers = {name: tuple(made) for name, made in (delivers or {}).items() if name in stash}
+    made_by = {made: name for name, tensors in delivers.items() for made in tensors}
+    actions = {**stash, **{made: "delivered" for made in made_by}}
+    handles: dict[str, torch.fx.Node] = {}
     savers: set[torch.fx.Node] = set()
-    for name in sorted((n for n in stash if ".saved" not in n), key=lambda n: profile.tensors[n].birth):
-        action = stash[name]
+    for name in sorted((n for n in actions if ".saved" not in n), key=lambda n: profile.tensors[n].birth):
+        action = actions[name]
+        remade = action.startswith("rematerialize") or action == "delivered"
         value = value_of.get(name) or _visible_view(outer, name)
         tensor = profile.tensors[name]
+        if value is None and name in made_by:
+            raise ValueError(f"{name!r} is made again by the recipe of {made_by[name]!r} but is not a value of "
+                             "the outer graph (plan and graph disagree)")
         if value is None:
             # made and viewed inside a recomputed region: no outer value shares its storage, so it stays
             # on the device (the verification measures that; the planner tightens if it matters)
             log.debug("stash of %s skipped: no value of the outer graph holds its storage", name)
             continue
-        if action == "rematerialize" and (value.op != "call_function" or value.name != name):
+        if remade and (value.op != "call_function" or value.name != name):
             raise ValueError(f"{name!r} is rematerialized but its op is not a node of the outer graph "
                              "(plan and graph disagree: the op must be kept)")
         producer = runs_at.get(tensor.birth, value)
@@ -153,31 +169,35 @@ def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_a
         with graph.inserting_before(producer):
             graph.call_function(stash_watch, (runtime_node,))
         rng = None
-        if action == "rematerialize" and is_random(value):
+        if remade and action != "delivered" and is_random(value):
             with graph.inserting_before(value):
                 rng = graph.call_function(stash_rng_state, (str(value.meta["val"].device),))
             rng.name = f"rng_state_{value.name}"
         recipe = (recipes or {}).get(name, (name,))
-        if action == "rematerialize" and len(recipe) > 1:
+        if remade and len(recipe) > 1:
             chain = [value_of.get(op) for op in recipe]
             if any(node is None or node.name != op for node, op in zip(chain, recipe)):
                 raise ValueError(f"the recipe {recipe} of {name!r} has ops outside the outer graph (plan and "
                                  "graph disagree: its ops must be kept)")
-            module, bases = _recipe_module(chain)
+            module, bases = _recipe_module(chain, [value_of[made] for made in delivers.get(name, ())])
             gm.add_submodule(f"remat_{value.name}", module)
             with graph.inserting_before(value):
                 op, args, kwargs = graph.get_attr(f"remat_{value.name}"), tuple(bases), {}
         else:
             op, args, kwargs = value.target, value.args, value.kwargs
         with graph.inserting_after(value):
-            if action == "rematerialize":
+            if action == "delivered":
+                handle = graph.call_function(stash_delivered, (runtime_node, value, name))
+            elif remade:
+                made = tuple(handles[m] for m in delivers.get(name, ()))
                 handle = graph.call_function(stash_rematerialize, (runtime_node, value, name, op, args, kwargs,
-                                                                   rng))
+                                                                   rng, made))
             elif action.startswith("offload"):
                 handle = graph.call_function(stash_offload, (runtime_node, value, name))
             else:
                 handle = graph.call_function(stash_compress, (runtime_node, value, name, action.split(":", 1)[1]))
-        handle.name = f"{action.split(':')[0]}_{value.name}"   # offload_x, compress_x, rematerialize_x
+        handle.name = f"{action.split(':')[0]}_{value.name}"   # offload_x, compress_x, rematerialize_x, delivered_x
+        handles[name] = handle
         last_use = runs_at.get(tensor.last_forward_use, value)
         after = last_use if position.get(last_use, -1) > position.get(value, -1) else handle
         with graph.inserting_after(after):

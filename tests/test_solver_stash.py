@@ -139,6 +139,12 @@ def random_problems(draw):
                         "rematerialize", 0, last_use + 1, first_use, draw(st.integers(1, 9)),
                         needs_kept=(f"op{i}", *draw(st.sets(st.sampled_from(chain), max_size=1))),
                         needs_unstashed=tuple(draw(st.sets(st.sampled_from(earlier), max_size=1))) if earlier else ()))
+                earlier = [a.name for a in acts if a.name != name and a.savers and a.save_end >= a.hold_start]
+                if earlier and draw(st.booleans()):   # made again with tensors it delivers on its way
+                    opts.append(StashOption(
+                        "rematerialize:chain", 0, last_use + 1, first_use, draw(st.integers(1, 9)),
+                        needs_kept=(f"op{i}",), delivers=tuple(draw(st.sets(st.sampled_from(earlier), min_size=1,
+                                                                            max_size=2)))))
                 options[name] = tuple(opts)
     recomputable = frozenset(draw(st.sets(st.sampled_from(chain), min_size=1)))
     positions = 2 * n
@@ -149,11 +155,11 @@ def random_problems(draw):
                    stash_options=options)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_problems())
 def test_cpsat_agrees_with_brute_force_over_all_actions(problem):
-    """Keep / recompute / rematerialize / offload / compress: CP-SAT's optimum equals brute force over the
-    memory model."""
+    """Keep / recompute / rematerialize (one op or a chain that delivers others) / offload / compress:
+    CP-SAT's optimum equals brute force over the memory model."""
     decisions = list(all_decisions(problem))
     peaks = [predicted_peak(problem, r, s) for r, s in decisions]
     lowest = cpsat.solve(problem, minimize="peak", time_limit=5)

@@ -33,6 +33,7 @@ from autorecompute.runtime.codecs import codec
 from autorecompute.runtime.tiers import DiskTier, HostTier, PinnedPool, SimulatedTier, Transfer, check_writable
 
 DEFAULT_PINNED_BYTES = 8 << 30   # pinned host memory the CUDA tier may hold before it falls back to disk
+DELIVERED = "delivered"          # the recipe of a tensor a later chain rematerialization makes again
 
 
 def _is_simulated(tensor: torch.Tensor) -> bool:
@@ -63,6 +64,8 @@ class _Stash:
         self.back: Transfer | None = None
         self.refs = 0
         self.started = False
+        self.source: _Stash | None = None          # the chain rematerialization that makes this one again
+        self.delivered: list[_Stash | None] = []   # what this one's recipe makes again on its way
 
     # forward ---------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -101,8 +104,16 @@ class _Stash:
         if self.flat is not None:      # not released yet (a backward inside the forward): still on device
             return torch.as_strided(self._as(self.flat, dtype), size, stride, offset)
         if self.restored is None:
-            if self.recipe is not None:
-                self.restored = self._rematerialize()
+            if self.recipe is DELIVERED:
+                if self.source is None:
+                    raise RuntimeError(f"autorecompute: {self.name!r} was to be made again by a chain "
+                                       "rematerialization that never ran its stash node (a bug: please report it)")
+                self.source._rematerialize()
+                if self.restored is None:
+                    raise RuntimeError(f"autorecompute: the recipe of {self.source.name!r} did not make "
+                                       f"{self.name!r} again (a bug: please report it)")
+            elif self.recipe is not None:
+                self._rematerialize()
             elif self.codec is not None:
                 with torch.no_grad():
                     decoded = self.codec.decode(self.stored, self.dtype)
@@ -114,7 +125,9 @@ class _Stash:
             self.back = None
         return torch.as_strided(self._as(self.restored, dtype), size, stride, offset)
 
-    def _rematerialize(self) -> torch.Tensor:
+    def _rematerialize(self) -> None:
+        """Runs the recipe: sets ``restored`` of this stash and of those its recipe delivers that still
+        wait for it (a chain rematerialization makes them all at once, where backward first needs one)."""
         op, args, kwargs, rng, autocast, versions = self.recipe
         changed = [i for i, (t, v) in enumerate(versions) if t._version != v]
         if changed:
@@ -133,10 +146,16 @@ class _Stash:
                     if device is not None:
                         torch.cuda.set_rng_state(device_state, device)
                     out = op(*args, **kwargs)
-        if out.dtype != self.dtype or out.numel() != self.numel or not out.is_contiguous():
-            raise RuntimeError(f"autorecompute: rematerializing {self.name!r} gave {out.dtype}{tuple(out.shape)}, "
-                               f"forward made {self.dtype} with {self.numel} elements (a bug: please report it)")
-        return out.reshape(-1)
+        outs = tuple(out) if self.delivered else (out,)
+        for stash, made in zip((self, *self.delivered), outs):
+            if stash is None or stash.refs == 0 or stash.restored is not None:
+                continue           # nothing saved it, or its backward is done
+            if made.dtype != stash.dtype or made.numel() != stash.numel or not made.is_contiguous():
+                raise RuntimeError(f"autorecompute: rematerializing {stash.name!r} gave {made.dtype}"
+                                   f"{tuple(made.shape)}, forward made {stash.dtype} with {stash.numel} elements "
+                                   "(a bug: please report it)")
+            stash.restored = made.reshape(-1)
+
 
     def _as(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A saved view may have another dtype than the stash (``view_as_real``): its sizes count those."""
@@ -147,7 +166,7 @@ class _Stash:
         self.refs -= 1
         if self.refs == 0:
             self.restored = None
-            if self.flat is None:
+            if self.flat is None and not any(d is not None and d.refs and d.restored is None for d in self.delivered):
                 self.recipe = None     # released: its inputs may go when autograd lets them
             if self.out is not None:
                 try:
@@ -343,19 +362,38 @@ def stash_rng_state(device: str) -> tuple:
 
 
 def stash_rematerialize(runtime: StashRuntime, tensor: torch.Tensor, name: str, op, args: tuple, kwargs: dict,
-                        rng: tuple | None = None) -> _Stash | None:
+                        rng: tuple | None = None, delivers: tuple = ()) -> _Stash | None:
     """Graph node: from here, what autograd saves of ``tensor`` is the recipe ``op(*args, **kwargs)``;
     backward runs it again (replaying ``rng`` and the autocast state) when it first needs ``tensor``. The
     inputs it holds stay on the device no longer than autograd keeps them anyway (the planner checks
-    that); an input modified in place meanwhile is an error, not a silent difference."""
-    if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
-        # planned for a contiguous layout (a channels-last input now?): kept rather than restored wrongly
+    that); an input modified in place meanwhile is an error, not a silent difference.
+
+    A chain rematerialization's recipe returns ``tensor`` and then the tensors of ``delivers`` (the
+    handles of their :func:`stash_delivered` nodes): backward makes them all when it first needs one."""
+    # planned for a contiguous layout (a channels-last input now?): kept rather than restored wrongly
+    keep = isinstance(tensor, torch.Tensor) and not tensor.is_contiguous()
+    if keep and not delivers:
         return _register(runtime, tensor, name, "rematerialize", skip=True)
     device_type = tensor.device.type if isinstance(tensor, torch.Tensor) else "cpu"
     autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     versions = tuple((t, t._version) for t in tensors)
-    return _register(runtime, tensor, name, "rematerialize", (op, tuple(args), dict(kwargs), rng, autocast, versions))
+    recipe = (op, tuple(args), dict(kwargs), rng, autocast, versions)
+    stash = _register(runtime, tensor, name, "rematerialize", recipe, skip=keep)
+    if keep and torch.is_grad_enabled():
+        stash = _Stash(runtime, name, tensor, "rematerialize", recipe)   # registered nowhere: makes the others only
+    if stash is not None and delivers:
+        stash.delivered = list(delivers)
+        for made in delivers:
+            if made is not None:
+                made.source = stash
+    return stash
+
+
+def stash_delivered(runtime: StashRuntime, tensor: torch.Tensor, name: str) -> _Stash | None:
+    """Graph node: from here, what autograd saves of ``tensor`` is made again in backward by the recipe of a
+    later chain rematerialization (whose :func:`stash_rematerialize` node takes this handle)."""
+    return _register(runtime, tensor, name, "rematerialize", DELIVERED)
 
 
 def stash_release(runtime: StashRuntime, handle: _Stash | None) -> None:

@@ -166,6 +166,16 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
          for act in problem.activations if act.savers and act.save_end >= act.hold_start
          for option in problem.stash_options.get(act.name, ())}
 
+    # Who takes each activation off the device: its own options, and the chain rematerializations that make
+    # it again on their way (``StashOption.delivers``).
+    takers: dict[str, list] = {}
+    deliveries: dict[str, list] = {}
+    for (name, action), var in x.items():
+        takers.setdefault(name, []).append(var)
+        for other in problem.stash_option(name, action).delivers:
+            takers.setdefault(other, []).append(var)
+            deliveries.setdefault(other, []).append((problem.stash_option(name, action), var))
+
     for act in problem.activations:
         # Region-input reasons: a recomputed reader outside the owner's region holds t as a region input.
         input_reasons = []
@@ -198,28 +208,37 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
                 model.add_implication(as_input, held)
             options = [(option, x[(act.name, option.action)]) for option in problem.stash_options.get(act.name, ())
                        if (act.name, option.action) in x]
-            if options:
-                # at most one way to stash a
-                model.add_at_most_one(var for _, var in options)
-                for option, var in options:
-                    # stashing needs a kept saver (autograd packs it) and no region holding a as an input
-                    model.add_implication(var, ~as_input)
-                    if not any(isinstance(k, int) for k in saver_kept):
-                        model.add_bool_or([~var, *saver_kept])
-                    # a rematerialized tensor needs its op and its inputs' savers kept
-                    for op in option.needs_kept:
-                        if op in r:
-                            model.add_implication(var, ~r[op])
-                    # ... and its inputs on the device
-                    for name in option.needs_unstashed:
-                        for other in problem.stash_options.get(name, ()):
-                            if (name, other.action) in x:
-                                model.add_implication(var, ~x[(name, other.action)])
-                    add_piece(option.stored_from, act.save_end, option.stored_bytes, var)
-                    add_piece(option.restored_from, act.save_end, act.nbytes, var)
+            if act.name in takers:
+                # at most one way to take a off the device
+                model.add_at_most_one(takers[act.name])
+            for var in takers.get(act.name, ()):
+                # stashing needs a kept saver (autograd packs it) and no region holding a as an input
+                model.add_implication(var, ~as_input)
+                if not any(isinstance(k, int) for k in saver_kept):
+                    model.add_bool_or([~var, *saver_kept])
+            for option, var in options:
+                # a rematerialized tensor needs its recipe's ops and its inputs' savers kept
+                for op in option.needs_kept:
+                    if op in r:
+                        model.add_implication(var, ~r[op])
+                # ... and its inputs on the device
+                for name in option.needs_unstashed:
+                    for other in takers.get(name, ()):
+                        model.add_implication(var, ~other)
+                add_piece(option.stored_from, act.save_end, option.stored_bytes, var)
+                add_piece(option.restored_from, act.save_end, act.nbytes, var)
+            for option, var in deliveries.get(act.name, ()):
+                # made again by a chain rematerialization: back from where that one is
+                add_piece(option.restored_from, act.save_end, act.nbytes, var)
             # on the device from the last forward use to the last saver's backward, unless stashed
-            add_piece(act.hold_start, act.save_end, act.nbytes, held - sum(var for _, var in options))
+            add_piece(act.hold_start, act.save_end, act.nbytes, held - sum(takers.get(act.name, ())))
         add_piece(max(act.hold_start, act.save_end + 1), act.read_end, act.nbytes, as_input)
+    by_name = {act.name: act for act in problem.activations}
+    for name, variables in takers.items():
+        held_by_autograd = by_name.get(name)
+        if held_by_autograd is None or not held_by_autograd.savers or (
+                held_by_autograd.save_end < held_by_autograd.hold_start):
+            model.add(sum(variables) == 0)   # a delivery to a tensor autograd does not hold after forward
 
     # Rematerialized bytes at the backward of op j: A[j] ≥ A[j-1] + new ones, when j is recomputed.
     new_at: dict[str, list] = {}

@@ -45,7 +45,9 @@ def stash_all(problem: Problem, recompute: dict[str, bool], prefer: str = "memor
     A rematerialization whose inputs end up stashed falls back to the activation's next best way."""
     ranked: dict[str, list] = {}
     for act in problem.activations:
-        options = [o for o in problem.stash_options.get(act.name, ()) if only is None or o.action == only]
+        # chain rematerializations are left to CP-SAT: what they deliver would need its choices undone here
+        options = [o for o in problem.stash_options.get(act.name, ())
+                   if not o.delivers and (only is None or o.action == only)]
         if options:
             def device_bytes(o):
                 return o.stored_bytes * (act.save_end - o.stored_from + 1) + act.nbytes * (act.save_end - o.restored_from + 1)
