@@ -180,7 +180,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     def lower_minimum(time_limit: float) -> None:
         """Asks CP-SAT for a lower minimum-peak plan than the best so far (which hints it)."""
         decisions = lowest["decisions"]
-        solved = cpsat.solve(problem, minimize="peak", time_limit=time_limit, seed=options.seed,
+        solved = cpsat.solve_in_stages(problem, minimize="peak", time_limit=time_limit, seed=options.seed,
                              hint=decisions[0], hint_stash=decisions[1], progress=progress)
         lowest["time"] += solved.wall_time
         if solved.recompute is not None and solved.objective <= lowest["peak"]:
@@ -216,7 +216,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
             # Verify the hint on the other core while CP-SAT (which releases the GIL) tries to beat it.
             with ThreadPoolExecutor(max_workers=1) as pool:
                 hint_verified = pool.submit(verify, hint)
-                result = cpsat.solve(problem, budget=internal, minimize="cost",
+                result = cpsat.solve_in_stages(problem, budget=internal, minimize="cost",
                                      time_limit=options.solver_time_limit, seed=options.seed, hint=hint[0],
                                      hint_stash=hint[1], progress=progress)
                 best, status = hint, f"heuristic (cp-sat {result.status})"

@@ -64,6 +64,36 @@ def stash_all(problem: Problem, recompute: dict[str, bool], prefer: str = "memor
     return effective_stash(problem, recompute, {name: o.action for name, o in choices.items()})
 
 
+def stash_chains(problem: Problem, recompute: dict[str, bool]) -> dict[str, str]:
+    """Chain rematerializations, the latest activations first, each where nothing it delivers or reads is
+    taken yet; then every other held activation its least-memory single-op way where that undoes no chain.
+    On a Linear + activation stack this keeps one linear output in two (each chain reads the one before)."""
+    taken: set[str] = set()      # stashed, or delivered by a chain
+    pinned: set[str] = set()     # read by a chosen recipe: stays on the device
+    choices: dict[str, str] = {}
+    later_first = sorted(problem.activations, key=lambda a: a.hold_start, reverse=True)
+    for act in later_first:
+        for option in problem.stash_options.get(act.name, ()):
+            touched = {act.name, *option.delivers}
+            if option.delivers and not touched & (taken | pinned) and not set(option.needs_unstashed) & taken:
+                choices[act.name] = option.action
+                taken |= touched
+                pinned |= set(option.needs_unstashed)
+                break
+    for act in later_first:
+        if act.name in taken or act.name in pinned:
+            continue
+        options = [o for o in problem.stash_options.get(act.name, ())
+                   if not o.delivers and not set(o.needs_unstashed) & taken]
+        if options:
+            option = min(options, key=lambda o: (act.nbytes * (act.save_end - o.restored_from + 1)
+                                                 + o.stored_bytes * (act.save_end - o.stored_from + 1), o.cost))
+            choices[act.name] = option.action
+            taken.add(act.name)
+            pinned |= set(option.needs_unstashed)
+    return effective_stash(problem, recompute, choices)
+
+
 def span_plans(problem: Problem, max_cuts: int = 24, max_segments: int = 3) -> list[dict[str, bool]]:
     """√N-style plans over part of the chain, as ``checkpoint_sequential`` does over a prefix: the ops
     between two articulation points (cuts every path goes through) in 1 to ``max_segments`` regions, the
@@ -98,6 +128,8 @@ def candidates(problem: Problem, max_segments: int = 64) -> list[Decisions]:
         ways.append(("cost", "rematerialize"))
     with_stash = [(r, stash_all(problem, r, prefer, only)) for r in plans for prefer, only in ways
                   ] if problem.stash_options else []
+    if any(o.delivers for options in problem.stash_options.values() for o in options):
+        with_stash += [(r, stash_chains(problem, r)) for r in plans]
     return [(r, {}) for r in plans + span_plans(problem)] + [(r, s) for r, s in with_stash if s]
 
 
