@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from autorecompute.budget import format_bytes
+from autorecompute.problem import GRADIENT
 
 SCHEMA_VERSION = 4          # 4: the ``rematerialize:chain`` action, ``delivers`` / ``delivered_by``; 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``; 2: ``stash``
 ACTIONS = ("keep", "recompute", "rematerialize", "offload", "compress")
@@ -218,13 +219,23 @@ class Plan:
             f"; plan made in {self.plan_time:.2f} s",
         ])
 
+    def gradients_offloaded(self) -> list[str]:
+        """Parameters whose gradient goes to the offload tier from its accumulation to the end of backward."""
+        return [name[len(GRADIENT):] for name in self.stash if name.startswith(GRADIENT)]
+
     def _stash_lines(self) -> list[str]:
         lines = []
-        for action in sorted({r.action for r in self.stash.values()}):
-            records = [r for r in self.stash.values() if r.action == action]
+        activations = [r for name, r in self.stash.items() if not name.startswith(GRADIENT)]
+        for action in sorted({r.action for r in activations}):
+            records = [r for r in activations if r.action == action]
             moved = sum(r.saved_bytes for r in records)
             lines.append(f"  {action:<15} {len(records)} tensors, {format_bytes(moved)} off the device"
                          + ("" if records[0].expected_error == "exact" else f"; expected error {records[0].expected_error}"))
+        gradients = [r for name, r in self.stash.items() if name.startswith(GRADIENT)]
+        if gradients:
+            lines.append(f"  gradients       {len(gradients)} offloaded from their accumulation to the end of backward, "
+                         f"{format_bytes(sum(r.nbytes for r in gradients))}: "
+                         + ", ".join(self.gradients_offloaded()[:4]) + (" …" if len(gradients) > 4 else ""))
         return lines
 
     def __str__(self) -> str:

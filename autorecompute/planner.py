@@ -26,7 +26,7 @@ from autorecompute.passes.rewrite_recompute import rewrite_recompute
 from autorecompute.passes.rewrite_stash import rewrite_stash
 from autorecompute.passes.verify import fake_step_memory
 from autorecompute.plan import NodeRecord, Plan, StashRecord
-from autorecompute.problem import Problem
+from autorecompute.problem import GRADIENT, Problem
 from autorecompute.runtime.codecs import CODECS
 from autorecompute.runtime.stash import StashedModule, StashRuntime
 from autorecompute.runtime.tiers import check_writable
@@ -205,9 +205,12 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
         peak = minimum()[1]
         return InfeasibleBudgetError(budget_bytes, peak, _breakdown(profile, peak), options.actions)
 
+    cost_solve_time = 0.0
+
     def cheapest_fitting(internal: int):
         """The cheapest plan whose verified peak fits the budget, re-solved under a tighter internal budget
         while verification finds the model optimistic; None when the tightening reaches the model's minimum."""
+        nonlocal cost_solve_time
         for _ in range(MAX_TIGHTENINGS):
             if internal < lowest["peak"]:
                 return None, internal   # tighter than the model's own minimum: the minimum-peak plan is the answer
@@ -228,7 +231,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
                         elif result.status == "optimal":
                             status = "optimal"     # the hint costs no more than CP-SAT's proven optimum
                 candidate, candidate_peak = hint_verified.result()
-            timing["solve"] += result.wall_time
+            cost_solve_time += result.wall_time
             cost = extra_cost(problem, *best)
             gap = 0.0 if status == "optimal" else max(0.0, (cost - result.bound) / cost) if cost else 0.0
             if best is not hint:
@@ -241,7 +244,6 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
         return None, internal
 
     # 2. The cheapest plan under the budget; the verified minimum-peak plan is the last resort.
-    timing = {"solve": 0.0}
     status, gap = "trivial", 0.0
     chosen, module, peak = _keep_all(problem), gm, baseline_peak
     if budget_bytes < baseline_peak:
@@ -260,7 +262,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
             chosen, status, gap = lowest["decisions"], "fallback (minimum-peak plan)", lowest["gap"]
             if module is gm:
                 chosen = _keep_all(problem)
-    solve_time = lowest["time"] + timing["solve"]
+    solve_time = lowest["time"] + cost_solve_time
     minimum_peak = verified_minimum[0][1] if verified_minimum else min(lowest["peak"], peak)
     recompute, stash = chosen
 
@@ -283,6 +285,12 @@ def _stash_records(gm: torch.fx.GraphModule, problem: Problem, stash: dict[str, 
     records = {}
     for name, action in stash.items():
         option = problem.stash_option(name, action)
+        if name.startswith(GRADIENT):
+            param = gm.get_parameter(name[len(GRADIENT):])
+            records[name] = StashRecord(action=action, owner=name, nbytes=option_bytes(problem, name),
+                                        stored_bytes=0, shape=tuple(param.shape), dtype=str(param.dtype).split(".")[-1],
+                                        expected_error="exact", prefetch_event=option.restored_from - problem.num_forward)
+            continue
         tensor = profile.tensors[name]
         error = CODECS[action.split(":", 1)[1]].expected_error if action.startswith("compress:") else "exact"
         records[name] = StashRecord(action=action, owner=tensor.owner, nbytes=tensor.nbytes,
@@ -297,6 +305,10 @@ def _stash_records(gm: torch.fx.GraphModule, problem: Problem, stash: dict[str, 
                                          prefetch_event=option.restored_from - problem.num_forward,
                                          delivered_by=name)
     return records
+
+
+def option_bytes(problem: Problem, name: str) -> int:
+    return next(act.nbytes for act in problem.activations if act.name == name)
 
 
 def _at_peak(problem: Problem, recompute: dict[str, bool], stash: dict[str, str]) -> tuple[str, ...]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+GRADIENT = "grad:"     # prefix of the parameter gradients among the activations (offloadable, see build_problem)
+
 
 @dataclass(frozen=True)
 class Activation:

@@ -21,6 +21,7 @@ import models  # noqa: E402
 from autorecompute.passes.build_problem import build_problem  # noqa: E402
 from autorecompute.passes.capture import capture  # noqa: E402
 from autorecompute.passes.profile import profile_step  # noqa: E402
+from autorecompute.transfer import CPU_DISK  # noqa: E402
 
 FULL = ["gpt", "gpt2", "bert", "llama", "resnet", "unet", "mlp", "vgg"]
 
@@ -29,7 +30,7 @@ def floor(name: str) -> int:
     case = models.make(name)
     gm = capture(case.model, case.args, case.kwargs)
     profile_step(gm, case.args, case.kwargs)
-    problem = build_problem(gm)
+    problem = build_problem(gm, offload=CPU_DISK)     # offload: parameter gradients are decisions too
     return lower_bound(problem)
 
 

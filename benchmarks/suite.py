@@ -41,6 +41,7 @@ from autorecompute.runtime.memory import run_step  # noqa: E402
 from autorecompute.solvers.baselines import sqrt_n_plan  # noqa: E402
 from compile_budget import NO_DROPOUT, make_case  # noqa: E402
 from harness import measured_step  # noqa: E402
+from report import compile_gradients_exact  # noqa: E402
 
 SEQUENTIAL_BLOCKS = {"gpt": "blocks", "mlp": "layers", "resnet": "layers", "vgg": "features"}
 RECOMPUTE = ("recompute",)
@@ -165,14 +166,6 @@ def max_batch(case, budget: int, limit: float) -> dict:
 
 
 COMPILE_BUDGET = ROOT / "benchmarks" / "results" / "compile_budget.json"
-
-
-def compile_gradients_exact(row: dict) -> bool:
-    """Whether a compile_budget.py row's gradients are eager's (see report.GRADIENT_TOLERANCE)."""
-    from report import GRADIENT_TOLERANCE
-
-    diff = row.get("grad_max_abs_diff")
-    return diff is not None and diff <= GRADIENT_TOLERANCE * row.get("grad_max_abs", 1.0)
 
 
 def compile_budget_rows(name: str) -> list[dict]:

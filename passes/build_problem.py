@@ -12,8 +12,8 @@ import torch
 import torch.fx
 
 from autorecompute.passes.capture import is_mutating
-from autorecompute.passes.profile import TensorInfo, node_info, step_profile
-from autorecompute.problem import Activation, Problem, StashOption
+from autorecompute.passes.profile import META_KEY, NodeInfo, TensorInfo, node_info, step_profile
+from autorecompute.problem import GRADIENT, Activation, Problem, StashOption
 from autorecompute.runtime.codecs import codec
 from autorecompute.transfer import CPU_DISK, TransferModel
 
@@ -134,6 +134,10 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
                                       device)
                 if found:
                     options[act.name] = options.get(act.name, ()) + found
+    if offload is not None:
+        for act, option in gradient_offloads(gm, backward_position, last, offload):
+            activations.append(act)
+            options[act.name] = (option,)
     problem = Problem(
         chain=chain, recomputable=recomputable, cost=cost, flops={op: node_info(nodes[op]).flops for op in chain},
         activations=tuple(activations), fixed=tuple([0] * num_positions), num_forward=num_forward,
@@ -189,6 +193,37 @@ def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forw
             options.append(StashOption(f"compress:{name}", stored_bytes=stored, stored_from=pack,
                                        restored_from=first_use, cost=1 + cast_cost))
     return tuple(options)
+
+
+def gradient_offloads(gm: torch.fx.GraphModule, backward_position, last: int,
+                      offload: TransferModel) -> list[tuple[Activation, StashOption]]:
+    """Parameter gradients that may go to the offload tier from their accumulation to the end of backward.
+
+    A gradient made at the backward of the parameter's one user sits on the device, unread, until the
+    optimizer needs it after backward: offloaded, it leaves as soon as it is accumulated and comes back
+    when backward ends (``runtime/stash.py``). Offered for parameters with one user op whose backward
+    runs (a second use would accumulate into a gradient already gone); the copy out and back are exposed.
+    """
+    found = []
+    for node in gm.graph.find_nodes(op="get_attr"):
+        try:
+            param = gm.get_parameter(node.target)
+        except AttributeError:
+            continue                                   # a buffer or constant: no gradient
+        users = list(node.users)
+        if not param.requires_grad or len(users) != 1 or users[0].op != "call_function":
+            continue
+        made_at = backward_position(users[0].name) if isinstance(users[0].meta.get(META_KEY), NodeInfo) else None
+        if made_at is None or made_at >= last:
+            continue
+        nbytes = param.numel() * param.element_size()
+        name = f"{GRADIENT}{node.target}"
+        act = Activation(name=name, owner=f"<{name}>", nbytes=nbytes, hold_start=made_at + 1, savers=(f"<{name}>",),
+                         readers=(), save_end=last, read_end=last)
+        seconds = nbytes / offload.write_bytes_per_second + nbytes / offload.read_bytes_per_second
+        found.append((act, StashOption("offload", stored_bytes=0, stored_from=made_at + 1, restored_from=last,
+                                       cost=1 + offload.seconds_to_cost(seconds + 2 * offload.per_transfer_seconds))))
+    return found
 
 
 def first_backward_use(saver_backward: list[int | None], last: int, num_forward: int) -> int:

@@ -6,6 +6,8 @@ activation the plan stashes it inserts, in the outer graph (see ``runtime/stash.
 
 * ``stash_offload`` / ``stash_compress`` (the cast) / ``stash_rematerialize`` (the recipe: the op and its
   inputs) right after the value is made, and ``stash_rng_state`` right before it when the op is random,
+* ``stash_gradient`` after a parameter whose gradient is offloaded from its accumulation to the end of
+  backward,
 * ``stash_delivered`` right after a value a chain rematerialization makes again on its way (its handle goes
   to that rematerialization's ``stash_rematerialize`` node, whose recipe returns both),
 * ``stash_watch`` before the node that makes it (saves until its stash node are taken over),
@@ -33,8 +35,9 @@ import torch.fx
 from autorecompute.passes.build_problem import is_random
 from autorecompute.passes.profile import NodeInfo, step_profile
 from autorecompute.passes.rewrite_recompute import REGION_MEMBERS, SOURCE
+from autorecompute.problem import GRADIENT
 from autorecompute.runtime.stash import (StashRuntime, stash_compress, stash_offload, stash_prefetch,
-                                         stash_delivered, stash_release, stash_rematerialize, stash_rng_state,
+                                         stash_delivered, stash_gradient, stash_release, stash_rematerialize, stash_rng_state,
                                          stash_scope_begin,
                                          stash_scope_end, stash_hooks_off, stash_hooks_on, stash_watch)
 
@@ -142,6 +145,14 @@ def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_a
         for name in names:
             prefetch(name, end, node, name)
 
+    for name in [n for n in stash if n.startswith(GRADIENT)]:
+        param = next((n for n in graph.find_nodes(op="get_attr") if n.target == name[len(GRADIENT):]), None)
+        if param is None:
+            raise ValueError(f"the gradient {name!r} is offloaded but no parameter {name[len(GRADIENT):]!r} is read "
+                             "(plan and graph disagree)")
+        with graph.inserting_after(param):
+            graph.call_function(stash_gradient, (runtime_node, param, name))
+    stash = {name: action for name, action in stash.items() if not name.startswith(GRADIENT)}
     delivers = {name: tuple(made) for name, made in (delivers or {}).items() if name in stash}
     made_by = {made: name for name, tensors in delivers.items() for made in tensors}
     actions = {**stash, **{made: "delivered" for made in made_by}}

@@ -28,6 +28,7 @@ from typing import Iterator
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from autorecompute.runtime.codecs import codec
 from autorecompute.runtime.tiers import DiskTier, HostTier, PinnedPool, SimulatedTier, Transfer, check_writable
@@ -270,6 +271,40 @@ class StashRuntime(torch.nn.Module):
         self.offload_dir, self.pinned_bytes = offload_dir, pinned_bytes
         self._tiers: dict[str, object] = {}
         self._local = threading.local()
+        self._gradients = WeakIdKeyDictionary()     # parameter → name: gradients to offload in this backward
+        self._hooked = WeakIdKeyDictionary()        # parameters that carry our post-accumulate hook
+        self._offloaded: list[tuple] = []                                          # gradients out until backward ends
+
+    # parameter gradients -----------------------------------------------------------------------------
+    def offload_gradient(self, param: torch.Tensor, name: str) -> None:
+        """Once backward has accumulated ``param``'s gradient, it goes to the offload tier until backward
+        ends (then it is back in ``param.grad``, as the optimizer expects)."""
+        self._gradients[param] = name
+        if param not in self._hooked:
+            param.register_post_accumulate_grad_hook(self._gradient_accumulated)
+            self._hooked[param] = True
+
+    def _gradient_accumulated(self, param: torch.Tensor) -> None:
+        name = self._gradients.pop(param, None)
+        grad = param.grad
+        if name is None or grad is None or not grad.is_contiguous() or grad.layout != torch.strided:
+            return
+        if not self._offloaded:     # the first of this backward: bring them all back when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._restore_gradients)
+        tier = self.tier(grad)
+        stored, out = tier.store(grad.detach().view(-1), name)
+        out.wait()                  # written: the device copy may go now
+        self._offloaded.append((param, tier, stored, tuple(grad.shape), grad.dtype, grad.device, name))
+        param.grad = None
+
+    def _restore_gradients(self) -> None:
+        offloaded, self._offloaded = self._offloaded, []
+        for param, tier, stored, shape, dtype, device, name in offloaded:
+            grad = torch.empty(shape, dtype=dtype, device=device)
+            tier.load(stored, grad.view(-1), name).wait()
+            tier.release(stored)
+            # a gradient accumulated again after it left (a parameter used twice) adds up as autograd would
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
 
     def tier(self, tensor: torch.Tensor):
         """The tier for ``tensor``'s device: CUDA → pinned host (then disk); any other device → disk."""
@@ -388,6 +423,13 @@ def stash_rematerialize(runtime: StashRuntime, tensor: torch.Tensor, name: str, 
             if made is not None:
                 made.source = stash
     return stash
+
+
+def stash_gradient(runtime: StashRuntime, param: torch.Tensor, name: str) -> None:
+    """Graph node after a parameter is read: its gradient is offloaded from its accumulation to the end of
+    backward (``StashRuntime.offload_gradient``)."""
+    if torch.is_grad_enabled() and isinstance(param, torch.Tensor) and param.requires_grad and param.is_leaf:
+        runtime.offload_gradient(param, name)
 
 
 def stash_delivered(runtime: StashRuntime, tensor: torch.Tensor, name: str) -> _Stash | None:

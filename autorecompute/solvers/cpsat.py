@@ -72,7 +72,7 @@ def _complete_hint(model: cp_model.CpModel, r: dict, hint: Mapping[str, bool], x
                    hint_stash: Mapping[str, str], seconds: float, seed: int) -> None:
     """Hints every variable, not just the decisions: CP-SAT keeps a complete feasible hint as its first
     solution, while a partial one is often lost in presolve. The completion is a solve with the decisions
-    fixed to the hint (fast: propagation does the work)."""
+    fixed to the hint (fast: propagation does the work); without one, the model is solved unhinted."""
     for op, var in r.items():
         model.add_hint(var, bool(hint.get(op, False)))
     for (name, action), var in x.items():
@@ -83,9 +83,13 @@ def _complete_hint(model: cp_model.CpModel, r: dict, hint: Mapping[str, bool], x
     completion.parameters.max_time_in_seconds = 4 * seconds + 30
     completion.parameters.num_workers = 1
     completion.parameters.random_seed = seed
-    if completion.solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return   # the hint does not fit the integer model: keep the partial hint
+    found = completion.solve(model) in (cp_model.OPTIMAL, cp_model.FEASIBLE)
     model.clear_hints()
+    if not found:
+        # the hint does not fit the integer model (or no completion in time): no hint at all — a partial
+        # one helps little, and OR-Tools 9.15 aborts ("heuristics.fixed_search != nullptr") when an
+        # interleaved search of an infeasible model starts from one
+        return
     for i in range(len(model.proto.variables)):
         var = model.get_int_var_from_proto_index(i)
         model.add_hint(var, completion.value(var))
