@@ -72,7 +72,7 @@ def _complete_hint(model: cp_model.CpModel, r: dict, hint: Mapping[str, bool], x
                    hint_stash: Mapping[str, str], seconds: float, seed: int) -> None:
     """Hints every variable, not just the decisions: CP-SAT keeps a complete feasible hint as its first
     solution, while a partial one is often lost in presolve. The completion is a solve with the decisions
-    fixed to the hint (fast: propagation does the work); without one, the model is solved unhinted."""
+    fixed to the hint (fast: propagation does the work). A hint that does not fit is dropped."""
     for op, var in r.items():
         model.add_hint(var, bool(hint.get(op, False)))
     for (name, action), var in x.items():
@@ -83,12 +83,14 @@ def _complete_hint(model: cp_model.CpModel, r: dict, hint: Mapping[str, bool], x
     completion.parameters.max_time_in_seconds = 4 * seconds + 30
     completion.parameters.num_workers = 1
     completion.parameters.random_seed = seed
-    found = completion.solve(model) in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    status = completion.solve(model)
+    if status == cp_model.UNKNOWN:
+        return   # no completion in time: keep the partial hint
     model.clear_hints()
-    if not found:
-        # the hint does not fit the integer model (or no completion in time): no hint at all — a partial
-        # one helps little, and OR-Tools 9.15 aborts ("heuristics.fixed_search != nullptr") when an
-        # interleaved search of an infeasible model starts from one
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        # the hint does not fit the integer model: no hint at all — OR-Tools 9.15 aborts
+        # ("heuristics.fixed_search != nullptr") when an interleaved search of an infeasible model starts
+        # from a partial one
         return
     for i in range(len(model.proto.variables)):
         var = model.get_int_var_from_proto_index(i)
@@ -348,23 +350,48 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
 
 
 def solve_in_stages(problem: Problem, *, time_limit: float = 5.0, hint: Mapping[str, bool] | None = None,
-                    hint_stash: Mapping[str, str] | None = None, **kwargs) -> SolverResult:
-    """:func:`solve`, first without the chain rematerializations and then with them, from that plan.
+                    hint_stash: Mapping[str, str] | None = None, minimize: str = "cost", budget: int | None = None,
+                    **kwargs) -> SolverResult:
+    """:func:`solve`, first without the chain rematerializations and then with them, from the better of that
+    plan and the given hint.
 
     A chain option adds a variable and a dozen constraints per activation, and on a deep chain the search
-    within the time limit lands on worse plans than the smaller model finds: the smaller model gets the
-    first half of the time, and its plan hints the full one, which can only improve on it.
+    within the time limit lands on worse plans than the smaller model finds: the smaller model gets the time
+    limit (from the hint, or the heuristic's plan when the hint has chains), then the full model, from the
+    better of the hint and that plan, half of it more — it can only improve on both. Problems with chain options so take up to 1.5× ``time_limit``.
     """
-    chains = {name: tuple(o for o in options if not o.delivers) for name, options in problem.stash_options.items()}
-    if chains == problem.stash_options:
-        return solve(problem, time_limit=time_limit, hint=hint, hint_stash=hint_stash, **kwargs)
     from dataclasses import replace
 
-    first = solve(replace(problem, stash_options={n: o for n, o in chains.items() if o}), time_limit=time_limit / 2,
-                  hint=hint, hint_stash=hint_stash, **kwargs)
-    if first.recompute is not None:
-        hint, hint_stash = first.recompute, first.stash
-    second = solve(problem, time_limit=time_limit / 2, hint=hint, hint_stash=hint_stash, **kwargs)
+    from autorecompute.memory_model import effective_stash, extra_cost, predicted_peak
+
+    plain = {name: tuple(o for o in options if not o.delivers) for name, options in problem.stash_options.items()}
+    if plain == problem.stash_options:
+        return solve(problem, time_limit=time_limit, hint=hint, hint_stash=hint_stash, minimize=minimize,
+                     budget=budget, **kwargs)
+    smaller = replace(problem, stash_options={name: options for name, options in plain.items() if options})
+    first_hint = (hint, hint_stash)
+    if any(smaller.stash_option(n, a) is None for n, a in (hint_stash or {}).items()):
+        # the hint has chains: without them it holds what they delivered, a poor start; the heuristic's is better
+        from autorecompute.solvers import greedy
+
+        first_hint = greedy.lowest_peak(smaller) if minimize == "peak" else (
+            greedy.best_under(smaller, budget) or (hint, {}))
+    first = solve(smaller, time_limit=time_limit, hint=first_hint[0], hint_stash=first_hint[1], minimize=minimize,
+                  budget=budget, **kwargs)
+
+    def score(decisions):
+        recompute, stash = decisions[0], effective_stash(problem, decisions[0], decisions[1])
+        peak = predicted_peak(problem, recompute, stash)
+        if minimize == "peak":
+            return peak, extra_cost(problem, recompute, stash)
+        return peak > budget, extra_cost(problem, recompute, stash)
+
+    starts = ([(hint, hint_stash or {})] if hint is not None else []) + (
+        [(first.recompute, first.stash)] if first.recompute is not None else [])
+    start = min(starts, key=score) if starts else (None, None)
+    second = solve(problem, time_limit=time_limit / 2, hint=start[0], hint_stash=start[1], minimize=minimize,
+                   budget=budget, **kwargs)
+    # on a tie the plan without chains (fewer hooks; and the next solve starts from it as before)
     best = second if second.recompute is not None and (first.recompute is None
-                                                        or second.objective <= first.objective) else first
+                                                        or second.objective < first.objective) else first
     return replace(best, wall_time=first.wall_time + second.wall_time)
