@@ -74,12 +74,11 @@ def _holders(act, region: list[int], index: Mapping[str, int]) -> tuple[int, boo
     return owner_region, as_input, by_saver
 
 
-def stash_valid(option, recompute: Mapping[str, bool], stashed: Stash | set[str], by_saver: bool,
-                as_input: bool) -> bool:
-    """Whether a stash ``option`` takes effect, as far as its own activation says: a kept saver packs the
-    tensor, no region holds it as an input, the ops it needs are kept and the activations it needs are not
-    stashed (``stashed``: the raw choices and what they deliver)."""
-    return (by_saver and not as_input and not any(recompute.get(op) for op in option.needs_kept)
+def stash_valid(option, recompute: Mapping[str, bool], stashed: Stash | set[str]) -> bool:
+    """Whether what a stash ``option`` needs holds: the ops it needs are kept and the activations it needs
+    are not stashed (``stashed``: the raw choices and what they deliver). Its activation must also be
+    stashable (a kept saver packs it, no region holds it as an input: see :func:`effective_stash`)."""
+    return (not any(recompute.get(op) for op in option.needs_kept)
             and not any(name in stashed for name in option.needs_unstashed))
 
 
@@ -107,7 +106,7 @@ def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stas
     effective = {}
     for name, option in chosen.items():
         act = by_name.get(name)
-        if act is None or not can_stash(act) or not stash_valid(option, recompute, stashed, True, False):
+        if act is None or not can_stash(act) or not stash_valid(option, recompute, stashed):
             continue
         if all(taken[d] == 1 and d in by_name and can_stash(by_name[d]) for d in option.delivers):
             effective[name] = stash[name]

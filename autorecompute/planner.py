@@ -287,7 +287,7 @@ def _stash_records(gm: torch.fx.GraphModule, problem: Problem, stash: dict[str, 
         option = problem.stash_option(name, action)
         if name.startswith(GRADIENT):
             param = gm.get_parameter(name[len(GRADIENT):])
-            records[name] = StashRecord(action=action, owner=name, nbytes=option_bytes(problem, name),
+            records[name] = StashRecord(action=action, owner=name, nbytes=param.numel() * param.element_size(),
                                         stored_bytes=0, shape=tuple(param.shape), dtype=str(param.dtype).split(".")[-1],
                                         expected_error="exact", prefetch_event=option.restored_from - problem.num_forward)
             continue
@@ -305,10 +305,6 @@ def _stash_records(gm: torch.fx.GraphModule, problem: Problem, stash: dict[str, 
                                          prefetch_event=option.restored_from - problem.num_forward,
                                          delivered_by=name)
     return records
-
-
-def option_bytes(problem: Problem, name: str) -> int:
-    return next(act.nbytes for act in problem.activations if act.name == name)
 
 
 def _at_peak(problem: Problem, recompute: dict[str, bool], stash: dict[str, str]) -> tuple[str, ...]:

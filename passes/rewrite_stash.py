@@ -145,8 +145,9 @@ def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_a
         for name in names:
             prefetch(name, end, node, name)
 
+    read = {node.target: node for node in graph.find_nodes(op="get_attr")}
     for name in [n for n in stash if n.startswith(GRADIENT)]:
-        param = next((n for n in graph.find_nodes(op="get_attr") if n.target == name[len(GRADIENT):]), None)
+        param = read.get(name[len(GRADIENT):])
         if param is None:
             raise ValueError(f"the gradient {name!r} is offloaded but no parameter {name[len(GRADIENT):]!r} is read "
                              "(plan and graph disagree)")

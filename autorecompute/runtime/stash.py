@@ -157,7 +157,6 @@ class _Stash:
                                    "(a bug: please report it)")
             stash.restored = made.reshape(-1)
 
-
     def _as(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A saved view may have another dtype than the stash (``view_as_real``): its sizes count those."""
         return flat if dtype == flat.dtype else flat.view(dtype)

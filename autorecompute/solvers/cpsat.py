@@ -9,12 +9,14 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from ortools.sat.python import cp_model
 
+from autorecompute.memory_model import effective_stash, extra_cost, predicted_peak
 from autorecompute.problem import Problem
+from autorecompute.solvers import greedy
 
 log = logging.getLogger("autorecompute")
 DTIME_PER_SECOND = 0.12   # CP-SAT deterministic time per wall second, measured on the 2-core CI machine
@@ -178,9 +180,10 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
     deliveries: dict[str, list] = {}
     for (name, action), var in x.items():
         takers.setdefault(name, []).append(var)
-        for other in problem.stash_option(name, action).delivers:
+        option = problem.stash_option(name, action)
+        for other in option.delivers:
             takers.setdefault(other, []).append(var)
-            deliveries.setdefault(other, []).append((problem.stash_option(name, action), var))
+            deliveries.setdefault(other, []).append((option, var))
 
     for act in problem.activations:
         # Region-input reasons: a recomputed reader outside the owner's region holds t as a region input.
@@ -360,10 +363,6 @@ def solve_in_stages(problem: Problem, *, time_limit: float = 5.0, hint: Mapping[
     limit (from the hint, or the heuristic's plan when the hint has chains), then the full model, from the
     better of the hint and that plan, half of it more — it can only improve on both. Problems with chain options so take up to 1.5× ``time_limit``.
     """
-    from dataclasses import replace
-
-    from autorecompute.memory_model import effective_stash, extra_cost, predicted_peak
-
     plain = {name: tuple(o for o in options if not o.delivers) for name, options in problem.stash_options.items()}
     if plain == problem.stash_options:
         return solve(problem, time_limit=time_limit, hint=hint, hint_stash=hint_stash, minimize=minimize,
@@ -372,8 +371,6 @@ def solve_in_stages(problem: Problem, *, time_limit: float = 5.0, hint: Mapping[
     first_hint = (hint, hint_stash)
     if any(smaller.stash_option(n, a) is None for n, a in (hint_stash or {}).items()):
         # the hint has chains: without them it holds what they delivered, a poor start; the heuristic's is better
-        from autorecompute.solvers import greedy
-
         first_hint = greedy.lowest_peak(smaller) if minimize == "peak" else (
             greedy.best_under(smaller, budget) or (hint, {}))
     first = solve(smaller, time_limit=time_limit, hint=first_hint[0], hint_stash=first_hint[1], minimize=minimize,

@@ -38,6 +38,12 @@ def segment_plan(problem: Problem, segments: int) -> dict[str, bool]:
     return recompute
 
 
+def device_bytes(act, option) -> int:
+    """Byte-positions ``act`` occupies on the device between forward and backward when stashed by ``option``."""
+    return (option.stored_bytes * (act.save_end - option.stored_from + 1)
+            + act.nbytes * (act.save_end - option.restored_from + 1))
+
+
 def stash_all(problem: Problem, recompute: dict[str, bool], prefer: str = "memory",
               only: str | None = None) -> dict[str, str]:
     """Every held activation stashed: the way that leaves the fewest bytes on the device over time
@@ -49,9 +55,8 @@ def stash_all(problem: Problem, recompute: dict[str, bool], prefer: str = "memor
         options = [o for o in problem.stash_options.get(act.name, ())
                    if not o.delivers and (only is None or o.action == only)]
         if options:
-            def device_bytes(o):
-                return o.stored_bytes * (act.save_end - o.stored_from + 1) + act.nbytes * (act.save_end - o.restored_from + 1)
-            key = (lambda o: (device_bytes(o), o.cost)) if prefer == "memory" else (lambda o: (o.cost, device_bytes(o)))
+            def key(o, act=act):
+                return (device_bytes(act, o), o.cost) if prefer == "memory" else (o.cost, device_bytes(act, o))
             ranked[act.name] = sorted(options, key=key)
     choices = {name: options[0] for name, options in ranked.items()}
     for name, options in ranked.items():
@@ -86,8 +91,7 @@ def stash_chains(problem: Problem, recompute: dict[str, bool]) -> dict[str, str]
         options = [o for o in problem.stash_options.get(act.name, ())
                    if not o.delivers and not set(o.needs_unstashed) & taken]
         if options:
-            option = min(options, key=lambda o: (act.nbytes * (act.save_end - o.restored_from + 1)
-                                                 + o.stored_bytes * (act.save_end - o.stored_from + 1), o.cost))
+            option = min(options, key=lambda o: (device_bytes(act, o), o.cost))
             choices[act.name] = option.action
             taken.add(act.name)
             pinned |= set(option.needs_unstashed)
