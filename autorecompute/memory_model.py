@@ -40,6 +40,29 @@ def region_ids(problem: Problem, recompute: Mapping[str, bool]) -> list[int]:
     return ids
 
 
+def rerun_ops(problem: Problem, recompute: Mapping[str, bool]) -> list[str]:
+    """The recomputed ops that run again in backward, in chain order.
+
+    Non-reentrant ``torch.utils.checkpoint`` stops recomputing a region once every tensor the region saved
+    in forward is saved again (its early stop): the ops after the region's last saver never run again, and
+    neither does that saver when it keeps only tensors made before it (inputs are saved before an op runs).
+    A region ending in a matmul whose input the region makes therefore costs nothing for the matmul.
+    """
+    ids = region_ids(problem, recompute)
+    if problem.saves is None:
+        return [op for op, region in zip(problem.chain, ids) if region >= 0]
+    last_saver: dict[int, int] = {}
+    for i, (op, region) in enumerate(zip(problem.chain, ids)):
+        if region >= 0 and op in problem.saves:
+            last_saver[region] = i
+    rerun = []
+    for i, (op, region) in enumerate(zip(problem.chain, ids)):
+        end = last_saver.get(region, -1) if region >= 0 else -1
+        if i < end or (i == end and problem.saves[op]):
+            rerun.append(op)
+    return rerun
+
+
 @dataclass(frozen=True)
 class Timeline:
     """Predicted bytes per position, split by what decides them.
@@ -225,8 +248,9 @@ def predicted_peak(problem: Problem, recompute: Mapping[str, bool], stash: Stash
 
 
 def extra_flops(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> int:
-    """FLOPs run again in backward: recomputed regions, and the recipes of rematerialized activations."""
-    again = sum(problem.flops.get(op, 0) for op, on in recompute.items() if on and op in problem.recomputable)
+    """FLOPs run again in backward: recomputed regions (up to their last saver, :func:`rerun_ops`), and the
+    recipes of rematerialized activations."""
+    again = sum(problem.flops.get(op, 0) for op in rerun_ops(problem, recompute))
     recipes = [problem.stash_option(name, action).recipe
                for name, action in effective_stash(problem, recompute, stash).items()]
     return again + sum(problem.flops.get(op, 0) for recipe in recipes for op in recipe)
@@ -239,8 +263,8 @@ def stash_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | N
 
 
 def extra_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> int:
-    """The solver's objective: summed recompute cost, ``region_cost`` per recomputed region, and the cost
-    of the stash choices that take effect."""
-    ops = sum(problem.cost[op] for op, on in recompute.items() if on and op in problem.recomputable)
+    """The solver's objective: the recompute cost of the ops run again (:func:`rerun_ops`), ``region_cost``
+    per recomputed region, and the cost of the stash choices that take effect."""
+    ops = sum(problem.cost[op] for op in rerun_ops(problem, recompute))
     regions = max(region_ids(problem, recompute), default=-1) + 1
     return ops + problem.region_cost * regions + stash_cost(problem, recompute, stash)

@@ -9,7 +9,9 @@ decision changes (parameters, inputs, gradients, activations during their forwar
 calibrated so that the all-keep plan reproduces the measured peak at every position.
 
 Decisions: ``r[op] = 1`` puts op in a recomputed region (regions are maximal runs of consecutive recomputed
-ops in ``chain`` order); ``stash[activation] = action`` takes an activation that autograd holds off the
+ops in ``chain`` order; a region runs again in backward only up to the last op that saves a tensor for
+backward — ``torch.utils.checkpoint`` stops its recomputation there — see :attr:`Problem.saves`);
+``stash[activation] = action`` takes an activation that autograd holds off the
 device (``"offload"``) or keeps it smaller (``"compress:<dtype>"``) between forward and backward, one of
 its :class:`StashOption`; see docs/architecture.md for the memory rules.
 """
@@ -100,6 +102,11 @@ class Problem:
     bytes_at_rest: dict[str, int] = field(default_factory=dict)  # resident breakdown, for reports
     region_cost: int = 0                         # overhead of one recomputed region (a checkpoint call)
     stash_options: dict[str, tuple[StashOption, ...]] = field(default_factory=dict)  # activation → options
+    # op → whether its backward keeps a tensor the op makes (True: saved after it runs) or only tensors made
+    # before it (False: saved before it runs); ops that keep nothing are absent. Non-reentrant checkpointing
+    # stops a region's recomputation at its last save, so the ops after the region's last saver, and that
+    # saver itself when False, are not run again. None: not known, every recomputed op runs again.
+    saves: dict[str, bool] | None = None
 
     @property
     def num_positions(self) -> int:

@@ -138,11 +138,17 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
         for act, option in gradient_offloads(gm, backward_position, last, offload):
             activations.append(act)
             options[act.name] = (option,)
+    saves = {}
+    for op in chain:
+        info = node_info(nodes[op])
+        if info.saves or info.saves_static_bytes:
+            # True: it keeps a tensor it makes (saved once it has run); False: only tensors made before it
+            saves[op] = bool(set(info.saves) & set(info.creates))
     problem = Problem(
         chain=chain, recomputable=recomputable, cost=cost, flops={op: node_info(nodes[op]).flops for op in chain},
         activations=tuple(activations), fixed=tuple([0] * num_positions), num_forward=num_forward,
         backward_op=backward_op, bytes_at_rest=dict(profile.resident), region_cost=device.seconds_to_cost(device.region_seconds),
-        stash_options=options)
+        stash_options=options, saves=saves)
     return calibrate(problem, measured)
 
 

@@ -5,9 +5,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autorecompute.memory_model import extra_cost, memory_timeline, predicted_peak
+from autorecompute.memory_model import extra_cost, extra_flops, memory_timeline, predicted_peak, rerun_ops
 from autorecompute.problem import Activation, Problem
 from autorecompute.solvers import cpsat, greedy
+from strategies import early_stop_saves
 
 MIB = 2**20
 
@@ -49,6 +50,20 @@ def test_recomputing_a_run_drops_its_interior():
     p = chain_problem(6)
     plan = {"op1": True, "op2": True, "op3": True}
     assert predicted_peak(p, plan) < predicted_peak(p, {})
+
+
+def test_a_region_runs_again_up_to_its_last_save():
+    """Checkpoint's early stop: op2 saves only what op0/op1 made (before it runs), op3 saves nothing."""
+    p = chain_problem(5)
+    p = Problem(**{**p.__dict__, "recomputable": frozenset(p.chain), "saves": {"op0": False, "op1": True,
+                                                                               "op2": False}})
+    everything = {op: True for op in p.chain}
+    assert rerun_ops(p, everything) == ["op0", "op1"]
+    assert rerun_ops(p, {"op0": True, "op1": True}) == ["op0", "op1"]     # op1 keeps its own output
+    assert rerun_ops(p, {"op2": True, "op3": True, "op4": True}) == []     # nothing op2..4 saves is theirs
+    assert extra_flops(p, everything) == 200
+    unknown = Problem(**{**p.__dict__, "saves": None})
+    assert rerun_ops(unknown, everything) == list(p.chain)
 
 
 @pytest.mark.parametrize("n", [3, 5, 6])
@@ -101,7 +116,8 @@ def random_problems(draw):
     fixed = tuple(draw(st.lists(st.integers(0, 5000), min_size=positions, max_size=positions)))
     return Problem(chain=chain, recomputable=recomputable, cost={op: draw(st.integers(1, 9)) for op in chain},
                    flops={op: 1 for op in chain}, activations=tuple(acts), fixed=fixed, num_forward=num_forward,
-                   backward_op={p: op for op, p in bpos.items()}, region_cost=draw(st.sampled_from([0, 3])))
+                   backward_op={p: op for op, p in bpos.items()}, region_cost=draw(st.sampled_from([0, 3])),
+                   saves=draw(early_stop_saves(chain)))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

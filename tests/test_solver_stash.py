@@ -10,6 +10,7 @@ from autorecompute.passes.build_problem import stash_options
 from autorecompute.passes.profile import TensorInfo
 from autorecompute.problem import Activation, Problem, StashOption
 from autorecompute.solvers import cpsat, greedy
+from strategies import early_stop_saves
 from autorecompute.transfer import TransferModel
 
 KIB = 1024
@@ -152,7 +153,7 @@ def random_problems(draw):
     return Problem(chain=chain, recomputable=recomputable, cost={op: draw(st.integers(1, 9)) for op in chain},
                    flops={op: 1 for op in chain}, activations=tuple(acts), fixed=fixed, num_forward=n,
                    backward_op={p: op for op, p in bpos.items()}, region_cost=draw(st.sampled_from([0, 3])),
-                   stash_options=options)
+                   stash_options=options, saves=draw(early_stop_saves(chain)))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

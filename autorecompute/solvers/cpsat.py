@@ -99,6 +99,18 @@ def _complete_hint(model: cp_model.CpModel, r: dict, hint: Mapping[str, bool], x
         model.add_hint(var, completion.value(var))
 
 
+def _both(model: cp_model.CpModel, a, b, name: str):
+    """A literal equal to ``a ∧ b`` (0 when ``b`` is the constant 0)."""
+    if isinstance(b, int):
+        return a if b else 0
+    both = model.new_bool_var(name)
+    # both ⇔ a ∧ b
+    model.add_bool_or([~a, ~b, both])
+    model.add_implication(both, a)
+    model.add_implication(both, b)
+    return both
+
+
 def byte_unit(problem: Problem) -> int:
     """Divisor for bytes: keeps the largest memory figure near 2**22 so the model stays small-integer."""
     largest = max(max(problem.fixed, default=0), sum(a.nbytes for a in problem.activations), 1)
@@ -157,6 +169,20 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
             model.add(prefix[j + 1] - prefix[i] <= j - i).only_enforce_if(~s)
             same_cache[(i, j)] = s
         return same_cache[(i, j)]
+
+    # Ops run again in backward: checkpoint's recomputation of a region stops at its last save, so an op
+    # runs again only if it keeps a tensor it makes itself or a later op of its region saves anything.
+    runs: dict[str, object] = dict(r)
+    if problem.saves is not None:
+        later = 0    # literal: the next op is in this op's region and it or an op after it there saves
+        for op in reversed(chain):
+            if op not in r:
+                later = 0
+                continue
+            if not problem.saves.get(op):
+                runs[op] = _both(model, r[op], later, f"rerun[{op}]")
+            # for the op before: this one shares its region (r[op]) and saves, or a later one does
+            later = r[op] if op in problem.saves else _both(model, r[op], later, f"saves_after[{op}]")
 
     # Memory pieces: (start, end, units, literal) added to a difference array over positions.
     starts: dict[int, list] = {}
@@ -302,7 +328,7 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
     stash_cost = {key: problem.stash_option(*key).cost for key in x}
     total = (sum(problem.cost[op] for op in r) + problem.region_cost * len(starts_at)
              + sum(stash_cost.values())) or 1
-    decisions = {**r, **x}
+    decisions = {**runs, **x}
     unscaled = {**{op: problem.cost[op] for op in r}, **stash_cost}
     scaled = {key: max(1, -(-unscaled[key] * 2**30 // total)) for key in decisions}
     region_scaled = -(-problem.region_cost * 2**30 // total) if problem.region_cost else 0
