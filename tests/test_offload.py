@@ -1,6 +1,7 @@
 """Offload (disk tier on CPU) and compress, measured on real tensors: peak against budget, gradients against
 eager, the nodes in the rewritten graph, the files on disk, and the errors users get."""
 import errno
+import gc
 import os
 
 import pytest
@@ -216,3 +217,9 @@ def test_parameter_gradients_leave_the_device_until_backward_ends(tmp_path):
     assert_bitwise_equal(eager, result)
     assert all(p.grad is not None for p in model.parameters())
     assert all(not files for _, _, files in os.walk(tmp_path))
+    # the hooks on the user's parameters go with the compiled module
+    hooked = [p for p in model.parameters() if p._post_accumulate_grad_hooks]
+    assert hooked
+    del compiled, plan
+    gc.collect()
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())

@@ -172,6 +172,12 @@ def test_cpsat_agrees_with_brute_force_over_all_actions(problem):
     assert cheapest.status == "optimal"
     assert predicted_peak(problem, cheapest.recompute, cheapest.stash) <= budget
     assert extra_cost(problem, cheapest.recompute, cheapest.stash) == best
+    # in stages (easier models first, each from the best plan so far) the optimum is the same, in the full
+    # model's terms
+    staged = cpsat.solve_in_stages(problem, budget=budget, minimize="cost", time_limit=4)
+    assert staged.status == "optimal" and staged.gap == 0.0
+    assert predicted_peak(problem, staged.recompute, staged.stash) <= budget
+    assert extra_cost(problem, staged.recompute, staged.stash) == staged.objective == best
     # the heuristic's plans are real plans: what they claim is what the memory model says
     hint = greedy.best_under(problem, budget)
     if hint is not None:

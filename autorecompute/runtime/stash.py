@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from functools import partial
 from typing import Iterator
 
 import torch
@@ -280,8 +281,11 @@ class StashRuntime(torch.nn.Module):
         ends (then it is back in ``param.grad``, as the optimizer expects)."""
         self._gradients[param] = name
         if param not in self._hooked:
-            param.register_post_accumulate_grad_hook(self._gradient_accumulated)
-            self._hooked[param] = True
+            # the hook lives on the user's parameter: it must not keep this runtime (and its module) alive,
+            # and it goes when the runtime does
+            handle = param.register_post_accumulate_grad_hook(partial(_gradient_accumulated, weakref.ref(self)))
+            self._hooked[param] = handle
+            weakref.finalize(self, handle.remove)
 
     def _gradient_accumulated(self, param: torch.Tensor) -> None:
         name = self._gradients.pop(param, None)
@@ -422,6 +426,12 @@ def stash_rematerialize(runtime: StashRuntime, tensor: torch.Tensor, name: str, 
             if made is not None:
                 made.source = stash
     return stash
+
+
+def _gradient_accumulated(runtime: "weakref.ref[StashRuntime]", param: torch.Tensor) -> None:
+    live = runtime()
+    if live is not None:
+        live._gradient_accumulated(param)
 
 
 def stash_gradient(runtime: StashRuntime, param: torch.Tensor, name: str) -> None:

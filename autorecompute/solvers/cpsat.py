@@ -381,26 +381,33 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
 def solve_in_stages(problem: Problem, *, time_limit: float = 5.0, hint: Mapping[str, bool] | None = None,
                     hint_stash: Mapping[str, str] | None = None, minimize: str = "cost", budget: int | None = None,
                     **kwargs) -> SolverResult:
-    """:func:`solve`, first without the chain rematerializations and then with them, from the better of that
-    plan and the given hint.
+    """:func:`solve` on the full model, then on easier ones, each stage starting from the best plan so far.
 
-    A chain option adds a variable and a dozen constraints per activation, and on a deep chain the search
-    within the time limit lands on worse plans than the smaller model finds: the smaller model gets the time
-    limit (from the hint, or the heuristic's plan when the hint has chains), then the full model, from the
-    better of the hint and that plan, half of it more — it can only improve on both. Problems with chain options so take up to 1.5× ``time_limit``.
+    Two parts of the full model slow the search down on deep chains, and within the time limit it lands on
+    worse plans than an easier model finds:
+
+    * chain rematerializations (a variable and a dozen constraints per activation);
+    * checkpoint's early stop (:attr:`Problem.saves`): an op's cost hangs on a conjunction, whose linear
+      relaxation is weak. Without it every recomputed op is charged — the easier model over-counts, so its
+      plans cost no more than it says.
+
+    Stages, each from the best plan so far under the full model (so each can only improve on it; ties keep
+    the earlier plan): the full model from the hint for the time limit (on some graphs — GPT-2 — it finds
+    what the easier models' plans lead away from); without both for a quarter of it (from the heuristic's
+    plan when the best so far has chains); with chains for a quarter. 1.5× ``time_limit`` in all (1.25×
+    without chain options).
     """
     plain = {name: tuple(o for o in options if not o.delivers) for name, options in problem.stash_options.items()}
-    if plain == problem.stash_options:
-        return solve(problem, time_limit=time_limit, hint=hint, hint_stash=hint_stash, minimize=minimize,
-                     budget=budget, **kwargs)
-    smaller = replace(problem, stash_options={name: options for name, options in plain.items() if options})
-    first_hint = (hint, hint_stash)
-    if any(smaller.stash_option(n, a) is None for n, a in (hint_stash or {}).items()):
-        # the hint has chains: without them it holds what they delivered, a poor start; the heuristic's is better
-        first_hint = greedy.lowest_peak(smaller) if minimize == "peak" else (
-            greedy.best_under(smaller, budget) or (hint, {}))
-    first = solve(smaller, time_limit=time_limit, hint=first_hint[0], hint_stash=first_hint[1], minimize=minimize,
-                  budget=budget, **kwargs)
+    has_chains = plain != problem.stash_options
+    counted = replace(problem, saves=None)
+    plain_counted = replace(counted, stash_options={name: options for name, options in plain.items() if options})
+    # (model, seconds): 1.5× the limit at most
+    if problem.saves is None:
+        stages = [(plain_counted, time_limit), (problem, time_limit / 2)] if has_chains else [(problem, time_limit)]
+    elif has_chains:
+        stages = [(problem, time_limit), (plain_counted, time_limit / 4), (counted, time_limit / 4)]
+    else:
+        stages = [(problem, time_limit), (counted, time_limit / 4)]
 
     def score(decisions):
         recompute, stash = decisions[0], effective_stash(problem, decisions[0], decisions[1])
@@ -409,12 +416,29 @@ def solve_in_stages(problem: Problem, *, time_limit: float = 5.0, hint: Mapping[
             return peak, extra_cost(problem, recompute, stash)
         return peak > budget, extra_cost(problem, recompute, stash)
 
-    starts = ([(hint, hint_stash or {})] if hint is not None else []) + (
-        [(first.recompute, first.stash)] if first.recompute is not None else [])
-    start = min(starts, key=score) if starts else (None, None)
-    second = solve(problem, time_limit=time_limit / 2, hint=start[0], hint_stash=start[1], minimize=minimize,
-                   budget=budget, **kwargs)
-    # on a tie the plan without chains (fewer hooks; and the next solve starts from it as before)
-    best = second if second.recompute is not None and (first.recompute is None
-                                                        or second.objective < first.objective) else first
-    return replace(best, wall_time=first.wall_time + second.wall_time)
+    best = (hint, hint_stash or {}) if hint is not None else None
+    best_from, last, full, wall = None, None, None, 0.0     # best_from: the result that found ``best``
+    for model_problem, limit in stages:
+        start = best
+        if start is not None and any(model_problem.stash_option(n, a) is None for n, a in start[1].items()):
+            # the start has chains this model lacks: without them it holds what they delivered, a poor
+            # start; the heuristic's plan is better
+            start = greedy.lowest_peak(model_problem) if minimize == "peak" else (
+                greedy.best_under(model_problem, budget) or (start[0], {}))
+        last = solve(model_problem, time_limit=limit, hint=start[0] if start else None,
+                     hint_stash=start[1] if start else None, minimize=minimize, budget=budget, **kwargs)
+        wall += last.wall_time
+        full = last if model_problem is problem else full
+        if last.recompute is not None and (best is None or score((last.recompute, last.stash)) < score(best)):
+            best, best_from = (last.recompute, last.stash), last
+    if best_from is None:        # nothing found, or nothing better than the hint: the caller keeps the hint
+        return replace(last, wall_time=wall)
+    # status, objective, bound and gap in the full model's terms (an easier model's bound bounds its own cost)
+    recompute, stash = best[0], effective_stash(problem, best[0], best[1])
+    objective = predicted_peak(problem, recompute, stash) if minimize == "peak" else extra_cost(problem, recompute,
+                                                                                                  stash)
+    bound = full.bound if full is not None and full.recompute is not None else 0.0
+    proven = full is not None and full.status == "optimal" and score(best) <= score((full.recompute, full.stash))
+    gap = 0.0 if proven else max(0.0, (objective - bound) / max(abs(objective), 1e-9))
+    return replace(best_from, status="optimal" if proven else "feasible", objective=objective, bound=bound,
+                   gap=gap, wall_time=wall)
