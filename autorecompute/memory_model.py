@@ -48,7 +48,11 @@ def rerun_ops(problem: Problem, recompute: Mapping[str, bool]) -> list[str]:
     neither does that saver when it keeps only tensors made before it (inputs are saved before an op runs).
     A region ending in a matmul whose input the region makes therefore costs nothing for the matmul.
     """
-    ids = region_ids(problem, recompute)
+    return _rerun(problem, region_ids(problem, recompute))
+
+
+def _rerun(problem: Problem, ids: list[int]) -> list[str]:
+    """:func:`rerun_ops` from the chain's region ids (:func:`region_ids`)."""
     if problem.saves is None:
         return [op for op, region in zip(problem.chain, ids) if region >= 0]
     last_saver: dict[int, int] = {}
@@ -265,6 +269,7 @@ def stash_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | N
 def extra_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> int:
     """The solver's objective: the recompute cost of the ops run again (:func:`rerun_ops`), ``region_cost``
     per recomputed region, and the cost of the stash choices that take effect."""
-    ops = sum(problem.cost[op] for op in rerun_ops(problem, recompute))
-    regions = max(region_ids(problem, recompute), default=-1) + 1
+    ids = region_ids(problem, recompute)
+    ops = sum(problem.cost[op] for op in _rerun(problem, ids))
+    regions = max(ids, default=-1) + 1
     return ops + problem.region_cost * regions + stash_cost(problem, recompute, stash)

@@ -143,8 +143,6 @@ def largest_fitting(peak_of, budget: int, start: int = 1, cap: int = 4096) -> in
         width = None if high is None else high - low
         tried[k] = peak_of(k)
         low, high = (k, high) if tried[k] <= budget else (low, k)
-        if high == 1:
-            break
         if len(tried) == 1:
             guess = 2 * k if high is None else max(1, k // 2)
         else:
