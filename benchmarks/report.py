@@ -31,8 +31,15 @@ def goals(rows: list[dict], summaries: list[dict]) -> list[tuple[str, str, str]]
             lines.append(f"{m}: no point")
             continue
         ratio = least["extra_flops"] / ref["extra_flops"]
+        notes = []
+        longer = _at(rows, m, "autorecompute (least FLOPs, 4× solver time) @ sqrt_n peak")
+        if longer is not None and longer["extra_flops"] < least["extra_flops"]:
+            # the suite plans again with 4× the solver's time limit where the first plan misses
+            notes.append(f"{ratio:.2f}x within the suite's time limit, {longer['extra_flops'] / ref['extra_flops']:.3f}x "
+                         f"with 4× of it (plan {longer['plan_time']:.0f} s)")
+            least, ratio = longer, longer["extra_flops"] / ref["extra_flops"]
         met &= ratio <= 0.5 and least["peak"] <= ref["peak"]
-        notes = [f"least-time plan {fastest['extra_flops'] / ref['extra_flops']:.2f}x"] if fastest else []
+        notes += [f"least-time plan {fastest['extra_flops'] / ref['extra_flops']:.2f}x"] if fastest else []
         low, low_ref = _at(rows, m, "autorecompute (least FLOPs) @ lowest sqrt_n peak"), _reference(rows, s, True)
         if low is not None and low_ref is not ref and low_ref["extra_flops"]:
             notes.append(f"vs articulation points {low['extra_flops'] / low_ref['extra_flops']:.2f}x")

@@ -261,6 +261,9 @@ class Bench:
                         status=plan.solver_status + (f"; {len(plan.stash)} stashed" if plan.stash else ""))
 
 
+LONGER_SOLVE = "autorecompute (least FLOPs, 4× solver time) @ sqrt_n peak"
+
+
 def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]:
     case = models.make(name)
     model = case.model
@@ -332,6 +335,17 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
             plan = compiled.plan
             record(label, compiled, budget=budget, plan_time=time.perf_counter() - started,
                    status=plan.solver_status + (f"; {len(plan.stash)} stashed" if plan.stash else ""))
+    # goal 1 missed within the time limit: plan again with 4× the limit (both rows reported)
+    least = next((r for r in rows if r["method"] == "autorecompute (least FLOPs) @ sqrt_n peak"), None)
+    if not quick and least is not None and least["extra_flops"] > 0.5 * reference["extra_flops"]:
+        reset()
+        started = time.perf_counter()
+        compiled = autorecompute.compile(model, budget=sqrt_peak, solver_time_limit=4 * limit, actions=RECOMPUTE,
+                                         objective="flops")
+        compiled.prepare(*case.args, **case.kwargs)
+        record(LONGER_SOLVE, compiled, budget=sqrt_peak, plan_time=time.perf_counter() - started,
+               status=compiled.plan.solver_status + (f"; {len(compiled.plan.stash)} stashed" if compiled.plan.stash
+                                                     else ""))
     # at the peaks torch.compile's activation_memory_budget reached (benchmarks/compile_budget.py); below 1.0
     # its gradients differ from eager's where it redraws a dropout (pytorch#190758), so the same model without
     # dropout is measured too: there both sides compute eager's gradients

@@ -142,8 +142,13 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
     for op in chain:
         info = node_info(nodes[op])
         if info.saves or info.saves_static_bytes:
-            # True: it keeps a tensor it makes (saved once it has run); False: only tensors made before it
-            saves[op] = bool(set(info.saves) & set(info.creates))
+            # True: checkpoint's early stop runs it again when it ends a region — it keeps a tensor it makes
+            # once it has run; False: it saves before it does its work (only tensors made before it, or, for
+            # an op with FLOPs, its last save comes before any of them: a 4-D matmul's copy before its bmm)
+            if info.flops:
+                saves[op] = info.flops_before_last_save > 0
+            else:
+                saves[op] = bool(set(info.saves) & set(info.creates))
     problem = Problem(
         chain=chain, recomputable=recomputable, cost=cost, flops={op: node_info(nodes[op]).flops for op in chain},
         activations=tuple(activations), fixed=tuple([0] * num_positions), num_forward=num_forward,

@@ -54,6 +54,9 @@ class NodeInfo:
     backward_event: int | None  # index into StepProfile.backward_events, None if it has no backward
     forward_peak: int         # tracked bytes at the peak of its execution
     module_path: str
+    # FLOPs it had run when autograd packed its last saved tensor: what checkpoint's early stop runs of it
+    # again when it is a region's last saver (a 4-D matmul saves its internal copy before its bmm: 0)
+    flops_before_last_save: int = 0
 
 
 @dataclass
@@ -125,10 +128,12 @@ class _Profiler(torch.fx.Interpreter):
         self.backward_peaks: list[int] = []
         self.first_segment_peak = 0          # memory before the first backward event (the seed gradients)
         self.counter: FlopCounterMode | None = None
+        self.flops_at_last_pack = 0
 
     # saved-tensor hook: records which storage the running node asks autograd to keep
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.current is not None:
+            self.flops_at_last_pack = self.counter.get_total_flops()
             storage = tensor.untyped_storage()
             key = storage._cdata
             if key in self.static_keys:
@@ -151,7 +156,7 @@ class _Profiler(torch.fx.Interpreter):
         self.order.append(n.name)
         self.pending_saves = []
         self.tracker.reset_window_peak()
-        flops_before = self.counter.get_total_flops()
+        flops_before = self.flops_at_last_pack = self.counter.get_total_flops()
         out = super().run_node(n)
         flops = self.counter.get_total_flops() - flops_before
         forward_peak = self.tracker.reset_window_peak()
@@ -211,7 +216,8 @@ class _Profiler(torch.fx.Interpreter):
         self.infos[n.name] = NodeInfo(
             position=self.position, flops=int(flops), creates=created, reads=reads,
             saves=saves, saves_static_bytes=self.static_saved.get(n.name, 0), backward_event=None,
-            forward_peak=forward_peak, module_path=module_path(n))
+            forward_peak=forward_peak, module_path=module_path(n),
+            flops_before_last_save=int(self.flops_at_last_pack - flops_before))
         self.forward_peaks.append(forward_peak)
         return out
 

@@ -115,3 +115,23 @@ def test_uncapturable_model_raises_capture_error():
 
     with pytest.raises(autorecompute.CaptureError, match="torch.export could not capture DataDependent"):
         autorecompute.plan(DataDependent(), torch.randn(2, 4), budget="1GB")
+
+
+def test_a_budget_near_the_minimum_gets_a_cost_solved_plan():
+    """Near its minimum the memory model can over-predict (GPT-2's minimum-peak plan: 4.16 MB in the model,
+    4.03 MB measured) and a short minimum-peak solve stays above the true minimum: a budget between them
+    still gets a cheap plan that measures under it, not the costly minimum-peak plan as a fallback."""
+    case = models.make("gpt2")
+    model = case.model
+    for module in model.modules():      # torch.compile's comparison point of goal 3 (dropout off)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    baseline = measured_step(model, model, case.args, case.kwargs).peak
+    budget = int(0.552 * baseline)
+    compiled = autorecompute.compile(model, budget=budget, solver_time_limit=6.0, actions=RECOMPUTE_ONLY,
+                                     objective="flops")
+    result = measured_step(compiled, model, case.args, case.kwargs)
+    plan = compiled.plan
+    assert result.peak <= budget
+    assert not plan.solver_status.startswith("fallback"), plan.solver_status
+    assert plan.extra_flops < 0.5 * plan.baseline_flops, plan.extra_flops / plan.baseline_flops

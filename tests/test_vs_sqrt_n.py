@@ -1,10 +1,17 @@
 """At the peak that naive √N checkpointing reaches, the plan recomputes fewer FLOPs (FlopCounterMode)."""
 import pytest
+import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import autorecompute
 import models
 from autorecompute.baselines import SqrtNCheckpointed
+from autorecompute.memory_model import extra_flops
+from autorecompute.passes.build_problem import build_problem
+from autorecompute.passes.capture import capture
+from autorecompute.passes.profile import profile_step
+from autorecompute.passes.rewrite_recompute import rewrite_recompute
+from autorecompute.planner import _decisions, clone_graph_module
 from autorecompute.runtime.memory import run_step
 from harness import measured_step
 
@@ -23,7 +30,8 @@ def test_fewer_recompute_flops_than_sqrt_n_at_its_peak(name, blocks):
     eager_flops = step_flops(model, case)
     sqrt_n_peak = measured_step(sqrt_n, model, case.args, case.kwargs).peak
     sqrt_n_extra = step_flops(sqrt_n, case) - eager_flops
-    compiled = autorecompute.compile(model, budget=sqrt_n_peak, actions=("recompute",))
+    # least FLOPs: what this test counts (the default least-time plan may trade FLOPs for fewer calls)
+    compiled = autorecompute.compile(model, budget=sqrt_n_peak, actions=("recompute",), objective="flops")
     ours = measured_step(compiled, model, case.args, case.kwargs)
     ours_extra = step_flops(compiled, case) - eager_flops
     print(f"{name}: √N peak {sqrt_n_peak}, √N extra FLOPs {sqrt_n_extra}; ours peak {ours.peak}, "
@@ -44,3 +52,33 @@ def test_plan_counts_the_flops_backward_runs_again(name):
     assert compiled.plan.extra_flops > 0
     assert step_flops(compiled, case) - eager_flops == compiled.plan.extra_flops
     assert measured_step(compiled, case.model, case.args, case.kwargs).peak <= 0.6 * eager_peak
+
+
+class Scores(torch.nn.Module):
+    """Attention scores ``q @ kᵀ`` on 4-D heads: ``matmul`` copies the transposed ``k`` and saves the copy
+    before its ``bmm`` runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 32)
+
+    def forward(self, x):
+        q, k = self.proj(x).view(2, 8, 2, 2, 8).permute(3, 0, 2, 1, 4).unbind(0)
+        return (q @ k.transpose(-1, -2)).softmax(-1).sum()
+
+
+def test_a_region_ending_in_a_4d_matmul_does_not_run_its_bmm_again():
+    """Early stop ends the recomputation at the matmul's last save, before its bmm: the plan charges no FLOPs
+    for it, and FlopCounterMode counts none."""
+    model, x = Scores(), torch.randn(2, 8, 16)
+    gm = capture(model, (x,), {})
+    profile_step(gm, (x,), {})
+    problem = build_problem(gm)
+    matmul = next(op for op in problem.chain if "matmul" in op)
+    assert problem.flops[matmul] > 0 and problem.saves[matmul] is False
+    start = problem.chain.index(matmul) - 1             # the transpose before it, then the matmul
+    recompute = {op: start <= i <= problem.chain.index(matmul) for i, op in enumerate(problem.chain)}
+    assert extra_flops(problem, recompute) == 0
+    rewritten = rewrite_recompute(clone_graph_module(gm), _decisions(problem, recompute))
+    case = models.Case("scores", model, (x,), {})
+    assert step_flops(rewritten, case) == step_flops(model, case)
