@@ -215,9 +215,10 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
         """The cheapest plan whose verified peak fits the budget, re-solved under a tighter internal budget
         while verification finds the model optimistic; None when the tightening reaches the model's minimum."""
         nonlocal cost_solve_time
-        if internal < lowest["peak"] and minimum()[1] <= internal:
+        if internal < lowest["peak"] and lowest.get("verified") and minimum()[1] <= internal:
             # The model over-predicts near its minimum (the minimum-peak plan measures lower than it says):
-            # search under the budget as the model sees it there; verification below still decides.
+            # search under the budget as the model sees it there; verification below still decides. (Only
+            # once the minimum is verified anyway: a budget far below it must not pay for a verification.)
             internal += lowest["peak"] - minimum()[1]
         for _ in range(MAX_TIGHTENINGS):
             if internal < lowest["peak"]:
