@@ -250,7 +250,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
                       candidate_peak)
             if model_peak < lowest["peak"]:
                 # below the minimum-peak solve's best (it had less time): the lowest plan known now
-                lowest.update(decisions=best, peak=model_peak, status="feasible")
+                lowest.update(decisions=best, peak=model_peak, status="feasible", verified=True)
                 verified_minimum.append((candidate, candidate_peak, best))
             if candidate_peak <= budget_bytes:
                 return (best, candidate, candidate_peak, status, gap), internal
