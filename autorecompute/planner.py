@@ -174,7 +174,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     heuristic = greedy.lowest_peak(problem)
     progress = sys.stderr.isatty()    # a live status line for people, nothing in logs and pipes
     lowest = {"decisions": heuristic, "peak": predicted_peak(problem, *heuristic), "status": "heuristic",
-              "gap": 1.0, "time": 0.0}
+              "gap": 1.0, "time": 0.0, "verified": False}
     # every minimum-peak plan verified so far, (module, verified peak, decisions): a later one can be lower in
     # the model and higher when measured, so the fallback is the lowest measured, not the latest
     verified_minimum: list[tuple[torch.nn.Module, int, Decisions]] = []
@@ -197,7 +197,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
 
     def minimum() -> tuple[torch.nn.Module, int, Decisions]:
         """The lowest measured minimum-peak plan; the latest one is verified once, when a decision needs it."""
-        if not lowest.get("verified"):
+        if not lowest["verified"]:
             decisions = lowest["decisions"]
             module, peak = verify(decisions) if predicted_peak(problem, *decisions) < baseline_peak else (gm, baseline_peak)
             verified_minimum.append((module, peak, decisions) if peak < baseline_peak else
@@ -215,7 +215,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
         """The cheapest plan whose verified peak fits the budget, re-solved under a tighter internal budget
         while verification finds the model optimistic; None when the tightening reaches the model's minimum."""
         nonlocal cost_solve_time
-        if internal < lowest["peak"] and lowest.get("verified") and minimum()[1] <= internal:
+        if internal < lowest["peak"] and lowest["verified"] and minimum()[1] <= internal:
             # The model over-predicts near its minimum (the minimum-peak plan measures lower than it says):
             # search under the budget as the model sees it there; verification below still decides. (Only
             # once the minimum is verified anyway: a budget far below it must not pay for a verification.)
@@ -264,15 +264,16 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     chosen, module, peak = _keep_all(problem), gm, baseline_peak
     if budget_bytes < baseline_peak:
         found, internal = cheapest_fitting(budget_bytes)
-        room = budget_bytes - minimum()[1] if found is None else 0
-        if found is None and lowest["status"] != "optimal" and (room < 0 or room >= budget_bytes // 100):
+        if found is None and lowest["status"] != "optimal":
             # Before falling back to the minimum-peak plan or saying "infeasible", spend the full time limit on
             # the minimum: a short solve (or the heuristic alone) can leave it well above the true one — the
             # fallback would cost more than needed (GPT-2 at 55% of eager: +67% of its FLOPs, not +25%) and the
             # error would name a wrong minimum. (Not when the budget is the verified minimum, within 1%: no
             # room for a cheaper plan.)
-            lower_minimum(options.solver_time_limit)
-            found, _ = cheapest_fitting(min(internal, budget_bytes))
+            room = budget_bytes - minimum()[1]
+            if room < 0 or room >= budget_bytes // 100:
+                lower_minimum(options.solver_time_limit)
+                found, _ = cheapest_fitting(min(internal, budget_bytes))
         if found is not None:
             chosen, module, peak, status, gap = found
         else:
@@ -283,7 +284,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     solve_time = lowest["time"] + cost_solve_time
     # the lowest verified minimum-peak plan, the latest one (model estimate) if not verified, the plan itself
     minimum_peak = min([entry[1] for entry in verified_minimum] + [peak]
-                       + ([] if lowest.get("verified") else [lowest["peak"]]))
+                       + ([] if lowest["verified"] else [lowest["peak"]]))
     recompute, stash = chosen
 
     plan = Plan(

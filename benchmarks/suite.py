@@ -41,7 +41,7 @@ from autorecompute.runtime.memory import run_step  # noqa: E402
 from autorecompute.solvers.baselines import sqrt_n_plan  # noqa: E402
 from compile_budget import NO_DROPOUT, make_case  # noqa: E402
 from harness import measured_step  # noqa: E402
-from report import compile_gradients_exact  # noqa: E402
+from report import LONGER_SOLVE, compile_gradients_exact  # noqa: E402
 
 SEQUENTIAL_BLOCKS = {"gpt": "blocks", "mlp": "layers", "resnet": "layers", "vgg": "features"}
 RECOMPUTE = ("recompute",)
@@ -51,6 +51,11 @@ HF = {"gpt2", "bert", "llama"}
 FULL = ["gpt", "gpt2", "bert", "llama", "resnet", "unet", "mlp", "vgg"]
 QUICK = ["gpt", "mlp", "vgg"]
 MAX_BATCH_MODELS = {"gpt", "vgg", "mlp"}
+
+
+def plan_status(plan) -> str:
+    """The solver column of a row: the plan's solver status and how many tensors it stashes."""
+    return plan.solver_status + (f"; {len(plan.stash)} stashed" if plan.stash else "")
 
 
 def step_flops(module, case) -> int:
@@ -258,10 +263,7 @@ class Bench:
             plan = compiled.plan
             self.record(f"autorecompute (least FLOPs) @ torch.compile({row['fraction']}) peak{suffix}", compiled,
                         budget=budget, plan_time=time.perf_counter() - started,
-                        status=plan.solver_status + (f"; {len(plan.stash)} stashed" if plan.stash else ""))
-
-
-LONGER_SOLVE = "autorecompute (least FLOPs, 4× solver time) @ sqrt_n peak"
+                        status=plan_status(plan))
 
 
 def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]:
@@ -334,7 +336,7 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
                 continue
             plan = compiled.plan
             record(label, compiled, budget=budget, plan_time=time.perf_counter() - started,
-                   status=plan.solver_status + (f"; {len(plan.stash)} stashed" if plan.stash else ""))
+                   status=plan_status(plan))
     # goal 1 missed within the time limit: plan again with 4× the limit (both rows reported)
     least = next((r for r in rows if r["method"] == "autorecompute (least FLOPs) @ sqrt_n peak"), None)
     if not quick and least is not None and least["extra_flops"] > 0.5 * reference["extra_flops"]:
@@ -344,8 +346,7 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
                                          objective="flops")
         compiled.prepare(*case.args, **case.kwargs)
         record(LONGER_SOLVE, compiled, budget=sqrt_peak, plan_time=time.perf_counter() - started,
-               status=compiled.plan.solver_status + (f"; {len(compiled.plan.stash)} stashed" if compiled.plan.stash
-                                                     else ""))
+               status=plan_status(compiled.plan))
     # at the peaks torch.compile's activation_memory_budget reached (benchmarks/compile_budget.py); below 1.0
     # its gradients differ from eager's where it redraws a dropout (pytorch#190758), so the same model without
     # dropout is measured too: there both sides compute eager's gradients
