@@ -230,7 +230,8 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
                 hint_verified = pool.submit(verify, hint)
                 result = cpsat.solve_in_stages(problem, budget=internal, minimize="cost",
                                      time_limit=options.solver_time_limit, seed=options.seed, hint=hint[0],
-                                     hint_stash=hint[1], progress=progress)
+                                     hint_stash=hint[1], progress=progress,
+                                     zero_flops_first=options.objective == "flops")
                 best, status = hint, f"heuristic (cp-sat {result.status})"
                 if result.recompute is not None:
                     solved = (result.recompute, effective_stash(problem, result.recompute, result.stash))

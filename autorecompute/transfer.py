@@ -24,7 +24,8 @@ class TransferModel:
         read_bytes_per_second: offload tier → device.
         per_transfer_seconds: fixed overhead of one transfer (hooks, file or stream bookkeeping).
         memory_bytes_per_second: bytes a memory-bound op (elementwise, norm, softmax) writes per second.
-        random_bytes_per_second: bytes a random op (dropout) writes per second, drawing its numbers.
+        random_bytes_per_second: bytes of random numbers a random op (dropout) draws per second (one
+            number per element of its result).
         op_seconds: fixed cost of running one op again (dispatch, launch).
         region_seconds: fixed cost of one recomputed region (a checkpoint call: hooks, RNG state, replay).
         stash_seconds: fixed cost of one rematerialized or compressed tensor (hooks, bookkeeping).
@@ -35,7 +36,7 @@ class TransferModel:
     read_bytes_per_second: float
     per_transfer_seconds: float
     memory_bytes_per_second: float = 4e9
-    random_bytes_per_second: float = 0.25e9
+    random_bytes_per_second: float = 0.35e9
     op_seconds: float = 10e-6
     region_seconds: float = 400e-6
     stash_seconds: float = 200e-6
@@ -53,11 +54,11 @@ class TransferModel:
 
 
 # CPU (measured on the 2-core CI machine, torch 2.14): ~100 GFLOP/s on mid-sized matmuls, a file in the page
-# cache ~1 GB/s each way, GELU writes ~4 GB/s after ~10 µs of dispatch, dropout ~0.25 GB/s (bernoulli), a
+# cache ~1 GB/s each way, GELU writes ~4 GB/s after ~10 µs of dispatch, dropout draws ~0.3 GB/s of numbers (bernoulli; 256 KiB in ~0.8 ms), a
 # non-reentrant checkpoint call ~430 µs of forward + backward overhead, a rematerialized tensor ~200 µs of
 # hooks and bookkeeping besides its op.
 CPU_DISK = TransferModel(flops_per_second=100e9, write_bytes_per_second=1e9, read_bytes_per_second=1e9,
-                         per_transfer_seconds=50e-6, memory_bytes_per_second=4e9, random_bytes_per_second=0.25e9,
+                         per_transfer_seconds=50e-6, memory_bytes_per_second=4e9, random_bytes_per_second=0.35e9,
                          op_seconds=10e-6, region_seconds=400e-6, stash_seconds=200e-6)
 # CUDA: PCIe Gen4/5 pinned copies ~20 GB/s each way; a large GPU sustains ~100 TFLOP/s in bf16 matmuls and
 # ~2 TB/s in elementwise kernels (Philox dropout about as fast); a launch from eager Python ~10 µs.
@@ -68,15 +69,20 @@ CUDA_HOST = TransferModel(flops_per_second=100e12, write_bytes_per_second=20e9, 
 
 def counting_flops(model: TransferModel) -> TransferModel:
     """``model`` with recomputation priced by its FLOPs (no call, region or random-number cost; the bytes a
-    memory-bound op writes at one FLOP-equivalent each, which keeps zero-FLOP recomputation from being free
-    and elementwise recipes short): about the plan with the fewest extra FLOPs as ``FlopCounterMode``
-    counts them — the fastest plan where elementwise recomputation is fused away (``torch.compile``), not
-    in eager mode on a CPU."""
+    memory-bound op writes at one FLOP-equivalent per ``TIE_BREAK_BYTES_PER_FLOP``: a tie-break that keeps
+    zero-FLOP recomputation from being free and elementwise recipes short without outweighing FLOPs): about
+    the plan with the fewest extra FLOPs as ``FlopCounterMode`` counts them — the fastest plan where
+    elementwise recomputation is fused away (``torch.compile``), not in eager mode on a CPU."""
     from dataclasses import replace
 
-    return replace(model, memory_bytes_per_second=model.flops_per_second,
+    return replace(model, memory_bytes_per_second=model.flops_per_second * TIE_BREAK_BYTES_PER_FLOP,
                    random_bytes_per_second=model.flops_per_second * 1e6, op_seconds=0.0,
                    region_seconds=1.0 / model.flops_per_second, stash_seconds=0.0)
+
+
+# At one byte per FLOP, rewriting 4 MiB of elementwise results weighed as much as a 4-MFLOP matmul, and the
+# least-FLOPs plan for GPT-2 at torch.compile's 0.7 point ran that matmul again instead (+0.7% FLOPs, 0 possible).
+TIE_BREAK_BYTES_PER_FLOP = 16
 
 
 def default_for(device_type: str) -> TransferModel:

@@ -83,7 +83,7 @@ def goals(rows: list[dict], summaries: list[dict]) -> list[tuple[str, str, str]]
             low, high = wall["autorecompute / sqrt_n quartiles"]
             met &= ours_over <= 1.0
             lines.append(f"{m} {wall['autorecompute']:.2f} vs {wall['sqrt_n']:.2f} (paired {ours_over:.3f}, "
-                         f"quartiles {low:.2f}–{high:.2f})")
+                         f"quartiles {low:.2f}–{high:.2f}, {wall.get('reps', '?')} runs)")
             continue
         at, ref = _at(rows, m, "autorecompute @ sqrt_n peak"), _reference(rows, s)
         if at:
@@ -292,7 +292,7 @@ def write_markdown(rows, summaries, seconds: float, quick: bool, path: Path) -> 
              "at 24 samples its lowest peak, 8.48 MiB, was exactly the lower bound with gradients resident: "
              "the first conv's backward reads its 1.5 MiB input while every deeper layer's gradient waits for "
              "the optimizer. With those gradients off the device, 30 samples (3.75×) fit.",
-             "* **Wall time (5).** Timed side by side with √N in the same interleaved runs (31): "
+             "* **Wall time (5).** Timed side by side with √N in the same interleaved runs: "
              f"{_wall_misses(summaries)} (the paired ratio moves by ±0.1 between full runs on this machine: "
              "Llama's was 1.035 in one run and 0.914 in the next). On the GPT-style model the least-time plan "
              "near √N's peak "

@@ -11,7 +11,7 @@ import operator
 import torch
 import torch.fx
 
-from autorecompute.passes.capture import is_mutating
+from autorecompute.passes.capture import is_mutating, written_in_place
 from autorecompute.passes.profile import META_KEY, NodeInfo, TensorInfo, node_info, step_profile
 from autorecompute.problem import GRADIENT, Activation, Problem, StashOption
 from autorecompute.runtime.codecs import codec
@@ -58,11 +58,23 @@ def updates_state(node: torch.fx.Node) -> bool:
 
 def recompute_cost(node: torch.fx.Node, written: int, device: TransferModel) -> int:
     """Running ``node`` again, in FLOP-equivalents: its FLOPs, the bytes it writes at the device's
-    memory-bound speed (its random numbers, for a random op), and one call."""
+    memory-bound speed, the random numbers it draws (a random op: one per element of its result) and one
+    call."""
     seconds = device.op_seconds + written / device.memory_bytes_per_second
     if is_random(node):
-        seconds += written / device.random_bytes_per_second
+        # one number per element of the result, not per byte written: dropout also writes its mask, and
+        # pricing that as random too doubled its cost (measured: dropout over 256 KiB ~0.8 ms, its mask and
+        # output 512 KiB)
+        seconds += _result_bytes(node) / device.random_bytes_per_second
     return 1 + node_info(node).flops + device.seconds_to_cost(seconds)
+
+
+def _result_bytes(node: torch.fx.Node) -> int:
+    """Bytes of ``node``'s (first) result tensor."""
+    value = node.meta.get("val")
+    if isinstance(value, (tuple, list)):
+        value = next((v for v in value if isinstance(v, torch.Tensor)), None)
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: TransferModel | None = None,
@@ -80,7 +92,9 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
     nodes = {n.name: n for n in gm.graph.nodes}
     outputs = {name for name, t in profile.tensors.items() if t.is_output}
     chain = tuple(op for op in profile.order if not is_transparent(nodes[op]))
-    recomputable = frozenset(op for op in chain if recompute and is_recomputable(nodes[op], outputs))
+    written = written_in_place(gm.graph)    # re-running their op would not re-run the writes
+    recomputable = frozenset(op for op in chain if recompute and op not in written
+                             and is_recomputable(nodes[op], outputs))
     num_forward = len(profile.order)
     num_positions = num_forward + len(profile.backward_events)
     last = num_positions - 1

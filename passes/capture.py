@@ -1,10 +1,12 @@
 """Capture: ``torch.export`` (non-strict, training IR) → a differentiable GraphModule.
 
-The GraphModule shares the model's Parameters and buffers (same objects). Two clean-ups make it plannable:
-assertion nodes and the input guard are dropped (autorecompute keys plans on the input signature itself),
-and in-place ops on an activation that nothing else reads are made out-of-place, so that recomputing a
-region never replays a mutation of its own input. In-place updates of buffers (BatchNorm's
-``num_batches_tracked``) stay as they are.
+The GraphModule shares the model's Parameters and buffers (same objects). Three clean-ups make it plannable:
+assertion nodes and the input guard are dropped (autorecompute keys plans on the input signature itself);
+``scaled_dot_product_attention`` calls that PyTorch runs as its math composite on this device (on a CPU:
+with dropout) are replaced by the ops that composite runs, so the planner sees the attention matrix, the
+softmax and the dropout mask as separate tensors (a fused kernel stays one op); and in-place ops on an
+activation that nothing else reads are made out-of-place, so that recomputing a region never replays a
+mutation of its own input. In-place updates of buffers (BatchNorm's ``num_batches_tracked``) stay as they are.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import operator
 
 import torch
 import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from autorecompute.errors import CaptureError
 
@@ -45,6 +48,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     gm = exported.module()
     _share_state_with(gm, model)
     _drop_guards_and_asserts(gm)
+    _inline_math_attention(gm)
     _functionalize_activation_mutations(gm)
     gm.graph.lint()
     gm.recompile()
@@ -75,6 +79,76 @@ def _drop_guards_and_asserts(gm: torch.fx.GraphModule) -> None:
             gm.graph.erase_node(node)
 
 
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+
+
+def _inline_math_attention(gm: torch.fx.GraphModule) -> None:
+    """Each ``scaled_dot_product_attention`` node that dispatches to PyTorch's math composite becomes the ops
+    that composite runs (traced by ``make_fx`` below autograd: the same kernels, the same random numbers, the
+    same gradients). As one node, its backward holds every tensor it saved at once (the attention
+    probabilities, the dropout mask and the masked probabilities); as ops, each can be kept, recomputed or
+    rematerialized on its own — what ``torch.compile``'s partitioner sees too. A call that runs a fused
+    kernel (flash / memory-efficient attention) stays one node."""
+    for node in list(gm.graph.find_nodes(op="call_function", target=_SDPA)):
+        tensors, constants = _sdpa_call(node)
+        if tensors is None:
+            continue
+        names = list(tensors)
+
+        def attention(*values):
+            return _SDPA(**dict(zip(names, values)), **constants)
+
+        try:
+            sub = make_fx(attention, tracing_mode="fake")(*[_example(tensors[n].meta["val"]) for n in names])
+        except Exception:  # noqa: BLE001  (a call make_fx cannot trace stays one node: still correct)
+            continue
+        if any(n.target is _SDPA or "attention" in str(n.target) for n in sub.graph.nodes if n.op == "call_function"):
+            continue      # a fused kernel: one op, nothing to split
+        _inline(gm, node, sub, [tensors[n] for n in names])
+
+
+def _sdpa_call(node: torch.fx.Node) -> tuple[dict | None, dict]:
+    """(tensor arguments by name, the other arguments) of an SDPA node, or (None, {}) when not plannable."""
+    bound = dict(zip(_SDPA_ARGUMENTS, node.args))
+    bound.update(node.kwargs)
+    tensors = {k: v for k, v in bound.items() if isinstance(v, torch.fx.Node)}
+    constants = {k: v for k, v in bound.items() if not isinstance(v, torch.fx.Node)}
+    values = [t.meta.get("val") for t in tensors.values()]
+    if not all(isinstance(v, torch.Tensor) and v.device.type != "meta" for v in values):
+        return None, {}
+    return tensors, constants
+
+
+def _example(value: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor with ``value``'s metadata: make_fx only reads shapes, strides and devices."""
+    example = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device=value.device)
+    return example.requires_grad_(value.requires_grad)
+
+
+def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx.GraphModule,
+            inputs: list[torch.fx.Node]) -> None:
+    """Replaces ``node`` by the graph of ``sub`` (its placeholders bound to ``inputs``)."""
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    placeholders = iter(inputs)
+    inherited = {key: node.meta[key] for key in ("nn_module_stack", "stack_trace", "source_fn_stack") if key in node.meta}
+    result = None
+    with gm.graph.inserting_before(node):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(placeholders)
+            elif n.op == "output":
+                result = torch.fx.map_arg(n.args[0], env.__getitem__)
+            else:
+                copied = gm.graph.node_copy(n, env.__getitem__)
+                copied.meta.update(inherited)
+                env[n] = copied
+    if isinstance(result, (tuple, list)):
+        result = result[0]
+    node.replace_all_uses_with(result)
+    gm.graph.erase_node(node)
+
+
 def is_mutating(node: torch.fx.Node) -> bool:
     """Whether ``node`` writes into one of its arguments (``add_``, ``relu_``, ``copy_``...)."""
     schema = getattr(node.target, "_schema", None)
@@ -93,11 +167,55 @@ def _functionalize_activation_mutations(gm: torch.fx.GraphModule) -> None:
         target_arg = node.args[0]
         if not isinstance(target_arg, torch.fx.Node) or target_arg.op != "call_function":
             continue
+        if _fills_fresh_tensor_with_bernoulli(node):
+            # empty_like(x).bernoulli_(p) (dropout's mask, as the math attention runs it) → bernoulli(x, p): the
+            # same numbers in a fresh tensor like x, and an op that can be recomputed with its RNG replayed
+            with gm.graph.inserting_before(node):    # the mask is no function of x (no gradient through it)
+                like = gm.graph.call_function(torch.ops.aten.detach.default, (target_arg.args[0],))
+            like.meta.update(target_arg.meta)
+            node.target = torch.ops.aten.bernoulli.p
+            node.args = (like, node.args[1] if len(node.args) > 1 else 0.5)
+            gm.graph.erase_node(target_arg)
+            continue
         if len(target_arg.users) != 1 or target_arg.target is operator.getitem or _is_view(target_arg):
             continue
         functional = _functional_variant(node.target)
         if functional is not None:
             node.target = functional
+
+
+def written_in_place(graph: torch.fx.Graph) -> set[str]:
+    """Ops whose result a later op writes in place (``empty_like`` that ``bernoulli_`` fills, a tensor other ops
+    also read and ``add_`` updates): running such an op again would not run the writes."""
+    written = set()
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None or not is_mutating(node):
+            continue
+        for i, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            base = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            while isinstance(base, torch.fx.Node) and base.op == "call_function" and base.args \
+                    and (is_mutating(base) or _is_view(base)):
+                base = base.args[0]           # through views and earlier in-place writes to the allocating op
+            if isinstance(base, torch.fx.Node) and base.op == "call_function":
+                written.add(base.name)
+    return written
+
+
+def _fills_fresh_tensor_with_bernoulli(node: torch.fx.Node) -> bool:
+    """``bernoulli_(empty_like(x), p)`` with nothing else reading the empty tensor and ``x`` contiguous (so the
+    fresh tensor ``bernoulli.p`` makes has the same layout)."""
+    if node.target is not torch.ops.aten.bernoulli_.float or node.kwargs.get("generator") is not None:
+        return False
+    empty = node.args[0]
+    if empty.target is not torch.ops.aten.empty_like.default or len(empty.users) != 1 or not empty.args:
+        return False
+    like = empty.args[0].meta.get("val") if isinstance(empty.args[0], torch.fx.Node) else None
+    plain = all(empty.kwargs.get(k) is None for k in ("dtype", "layout", "device", "pin_memory")) and \
+        empty.kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format)
+    return plain and isinstance(like, torch.Tensor) and like.is_contiguous()
 
 
 def _is_view(node: torch.fx.Node) -> bool:
