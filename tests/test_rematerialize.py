@@ -228,3 +228,26 @@ def test_the_planner_chains_rematerializations_under_a_tight_budget():
     assert result.peak <= plan.budget
     for name, grad in eager.grads.items():
         assert torch.equal(grad, result.grads[name]), name
+
+
+def test_a_random_op_is_priced_by_the_numbers_it_draws():
+    """Dropout writes its mask and its output (2× its result) but draws one number per element of its
+    result: the random-number speed applies to the result's bytes, the memory-bound speed to all it writes
+    (pricing the mask as random too had doubled dropout's cost)."""
+    from autorecompute.passes.profile import node_info, step_profile
+    from autorecompute.transfer import TransferModel
+
+    x = torch.randn(32, 64)
+    gm = capture(AttentionLike(blocks=1), (x,), {})
+    profile_step(gm, (x,), {})
+    speeds = TransferModel(flops_per_second=1e9, write_bytes_per_second=1e9, read_bytes_per_second=1e9,
+                           per_transfer_seconds=0.0, memory_bytes_per_second=1e9, random_bytes_per_second=1e8,
+                           op_seconds=0.0, region_seconds=0.0, stash_seconds=0.0)
+    problem = build_problem(gm, device=speeds)
+    dropout = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.dropout.default)
+    profile = step_profile(gm)
+    written = sum(profile.tensors[name].nbytes for name in node_info(dropout).creates)
+    result = 32 * 64 * 4
+    assert written == 2 * result                     # the mask and the output
+    # one FLOP-equivalent per ns: written bytes at 1 GB/s, the result's numbers at 0.1 GB/s, plus the "1 +"
+    assert problem.cost[dropout.name] == 1 + written + 10 * result

@@ -430,7 +430,7 @@ def solve_in_stages(problem: Problem, *, time_limit: float = 5.0, hint: Mapping[
         no_flops = _without_flops(problem)
         # its start: the heuristic's plan in the restricted model (the caller's hint recomputes FLOP ops, and
         # a hint that breaks the model's constraints leaves CP-SAT searching blind); none fits: no such stage
-        zero_start = greedy.best_under(no_flops, budget) if no_flops is not None else None
+        zero_start = greedy.few_candidates_under(no_flops, budget) if no_flops is not None else None
         if zero_start is not None:
             stages = [(no_flops, time_limit / 4), (stages[0][0], stages[0][1] * 3 / 4), *stages[1:]]
 
@@ -442,6 +442,8 @@ def solve_in_stages(problem: Problem, *, time_limit: float = 5.0, hint: Mapping[
         return peak > budget, extra_cost(problem, recompute, stash)
 
     best = (hint, hint_stash or {}) if hint is not None else None
+    if zero_start is not None and (best is None or score(zero_start) < score(best)):
+        best = zero_start        # the heuristic's zero-FLOP plan is a plan too, whatever CP-SAT makes of it
     best_from, last, full, wall = None, None, None, 0.0     # best_from: the result that found ``best``
     for model_problem, limit in stages:
         start = zero_start if zero_start is not None and model_problem is stages[0][0] else best
@@ -456,8 +458,8 @@ def solve_in_stages(problem: Problem, *, time_limit: float = 5.0, hint: Mapping[
         full = last if model_problem is problem else full
         if last.recompute is not None and (best is None or score((last.recompute, last.stash)) < score(best)):
             best, best_from = (last.recompute, last.stash), last
-    if best_from is None:        # nothing found, or nothing better than the hint: the caller keeps the hint
-        return replace(last, wall_time=wall)
+    if best_from is None and (zero_start is None or best is not zero_start):
+        return replace(last, wall_time=wall)   # nothing better than the hint: the caller keeps the hint
     # status, objective, bound and gap in the full model's terms (an easier model's bound bounds its own cost)
     recompute, stash = best[0], effective_stash(problem, best[0], best[1])
     objective = predicted_peak(problem, recompute, stash) if minimize == "peak" else extra_cost(problem, recompute,
@@ -465,5 +467,5 @@ def solve_in_stages(problem: Problem, *, time_limit: float = 5.0, hint: Mapping[
     bound = full.bound if full is not None and full.recompute is not None else 0.0
     proven = full is not None and full.status == "optimal" and score(best) <= score((full.recompute, full.stash))
     gap = 0.0 if proven else max(0.0, (objective - bound) / max(abs(objective), 1e-9))
-    return replace(best_from, status="optimal" if proven else "feasible", objective=objective, bound=bound,
-                   gap=gap, wall_time=wall)
+    return replace(best_from or last, recompute=best[0], stash=best[1], status="optimal" if proven else "feasible",
+                   objective=objective, bound=bound, gap=gap, wall_time=wall)

@@ -199,3 +199,15 @@ def best_under(problem: Problem, budget: int, work: int = 400_000) -> Decisions 
         if best is None or cost < best_cost:
             best, best_cost = plan, cost
     return best
+
+
+def few_candidates_under(problem: Problem, budget: int) -> Decisions | None:
+    """The cheapest of a few plans after :func:`descend`: nothing or everything recomputed, each with the
+    held activations stashed by chains first (:func:`stash_chains`) or each its least-memory way; None when
+    none fits. A cheap start on a restricted problem (only the ops without FLOPs recomputable), where scoring
+    every candidate (:func:`best_under`) would cost as much as the solve it starts."""
+    everything = {op: True for op in problem.recomputable}
+    fitting = [(r, stash) for r in ({}, everything) for stash in (stash_chains(problem, r), stash_all(problem, r))
+               if predicted_peak(problem, r, stash) <= budget]
+    descended = [descend(problem, budget, plan) for plan in fitting]
+    return min(descended, key=lambda plan: extra_cost(problem, *plan), default=None)
