@@ -307,7 +307,7 @@ def write_markdown(rows, summaries, seconds: float, quick: bool, path: Path) -> 
              "peak recomputes about as much, dropout included (9 redraws, ~3.6 ms of √N's ~8 ms extra). "
              "Our runtime with √N's exact decisions measures 1.008× and 1.014× `checkpoint_sequential` (two "
              "measurements of 201 interleaved runs); the least-time plan (two regions, two rematerialized GELU "
-             "outputs, 10.5 MFLOP less than √N) 1.026× and 1.038× there, 1.057× in the suite — within the "
+             "outputs, 10.5 MFLOP less than √N) 1.026× and 1.038× there, 1.043× and 1.057× in the last two full runs — within the "
              "spread of single runs, and above 1.0 in each measurement: the "
              "model prices a rematerialization at 0.2 ms of hooks where a profile shows 0.3 ms and an ablation "
              "up to 0.6 ms, and a region at 0.4 ms where ablations show 0.26–0.6 ms. Dropout is now priced by "
