@@ -67,6 +67,11 @@ CUDA_HOST = TransferModel(flops_per_second=100e12, write_bytes_per_second=20e9, 
                           op_seconds=10e-6, region_seconds=200e-6, stash_seconds=50e-6)
 
 
+# At one byte per FLOP, rewriting 4 MiB of elementwise results weighed as much as a 4-MFLOP matmul, and the
+# least-FLOPs plan for GPT-2 at torch.compile's 0.7 point ran that matmul again instead (+0.7% FLOPs, 0 possible).
+TIE_BREAK_BYTES_PER_FLOP = 16
+
+
 def counting_flops(model: TransferModel) -> TransferModel:
     """``model`` with recomputation priced by its FLOPs (no call, region or random-number cost; the bytes a
     memory-bound op writes at one FLOP-equivalent per ``TIE_BREAK_BYTES_PER_FLOP``: a tie-break that keeps
@@ -78,11 +83,6 @@ def counting_flops(model: TransferModel) -> TransferModel:
     return replace(model, memory_bytes_per_second=model.flops_per_second * TIE_BREAK_BYTES_PER_FLOP,
                    random_bytes_per_second=model.flops_per_second * 1e6, op_seconds=0.0,
                    region_seconds=1.0 / model.flops_per_second, stash_seconds=0.0)
-
-
-# At one byte per FLOP, rewriting 4 MiB of elementwise results weighed as much as a 4-MFLOP matmul, and the
-# least-FLOPs plan for GPT-2 at torch.compile's 0.7 point ran that matmul again instead (+0.7% FLOPs, 0 possible).
-TIE_BREAK_BYTES_PER_FLOP = 16
 
 
 def default_for(device_type: str) -> TransferModel:

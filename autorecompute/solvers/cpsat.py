@@ -425,14 +425,12 @@ def solve_in_stages(problem: Problem, *, time_limit: float = 5.0, hint: Mapping[
         stages = [(problem, time_limit), (plain_counted, time_limit / 4), (counted, time_limit / 4)]
     else:
         stages = [(problem, time_limit), (counted, time_limit / 4)]
-    zero_start = None
-    if zero_flops_first and minimize == "cost":
-        no_flops = _without_flops(problem)
-        # its start: the heuristic's plan in the restricted model (the caller's hint recomputes FLOP ops, and
-        # a hint that breaks the model's constraints leaves CP-SAT searching blind); none fits: no such stage
-        zero_start = greedy.few_candidates_under(no_flops, budget) if no_flops is not None else None
-        if zero_start is not None:
-            stages = [(no_flops, time_limit / 4), (stages[0][0], stages[0][1] * 3 / 4), *stages[1:]]
+    no_flops = _without_flops(problem) if zero_flops_first and minimize == "cost" else None
+    # its start: the heuristic's plan in the restricted model (the caller's hint recomputes FLOP ops, and a
+    # hint that breaks the model's constraints leaves CP-SAT searching blind); none fits: no such stage
+    zero_start = greedy.few_candidates_under(no_flops, budget) if no_flops is not None else None
+    if zero_start is not None:
+        stages = [(no_flops, time_limit / 4), (stages[0][0], stages[0][1] * 3 / 4), *stages[1:]]
 
     def score(decisions):
         recompute, stash = decisions[0], effective_stash(problem, decisions[0], decisions[1])
@@ -446,7 +444,7 @@ def solve_in_stages(problem: Problem, *, time_limit: float = 5.0, hint: Mapping[
         best = zero_start        # the heuristic's zero-FLOP plan is a plan too, whatever CP-SAT makes of it
     best_from, last, full, wall = None, None, None, 0.0     # best_from: the result that found ``best``
     for model_problem, limit in stages:
-        start = zero_start if zero_start is not None and model_problem is stages[0][0] else best
+        start = zero_start if model_problem is no_flops else best
         if start is not None and any(model_problem.stash_option(n, a) is None for n, a in start[1].items()):
             # the start has chains this model lacks: without them it holds what they delivered, a poor
             # start; the heuristic's plan is better

@@ -145,8 +145,7 @@ def scored_candidates(problem: Problem) -> list[tuple[Decisions, int, int]]:
     cached = _SCORED.get(id(problem))
     if cached is None or cached[0] is not problem:
         scored = [((r, s), predicted_peak(problem, r, s), extra_cost(problem, r, s)) for r, s in candidates(problem)]
-        while len(_SCORED) >= 2:    # a problem and its restriction at a time: do not keep old graphs alive
-            del _SCORED[next(iter(_SCORED))]
+        _SCORED.clear()          # one problem at a time: do not keep old graphs alive
         cached = _SCORED[id(problem)] = (problem, scored)
     return cached[1]
 
