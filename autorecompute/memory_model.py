@@ -18,7 +18,9 @@ checks both on every assignment of small problems). Regions are the maximal runs
   save_end]``; a stash choice that is not valid for the decisions (see :func:`stash_valid`) has no effect
   (and no cost);
 * a chain rematerialization of ``t`` (``"rematerialize:chain"``) also replaces the held interval of each
-  activation ``d`` it delivers by ``[t's restored_from, d.save_end]`` (see :func:`effective_stash`).
+  activation ``d`` it delivers by ``[t's restored_from, d.save_end]`` (see :func:`effective_stash`);
+* a rematerialization from the model's inputs (``"rematerialize:through"``) adds its recipe's temporaries
+  (``transient_bytes``) at ``restored_from``, while it runs.
 """
 from __future__ import annotations
 
@@ -165,6 +167,8 @@ def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None
             if option is not None:
                 yield act, option.stored_from, act.save_end, "stashed", option.stored_bytes
                 yield act, option.restored_from, act.save_end, "stashed", act.nbytes
+                if option.transient_bytes:   # the recipe's temporaries, while it runs
+                    yield act, option.restored_from, option.restored_from, "stashed", option.transient_bytes
             elif act.name in made_by:
                 yield act, made_by[act.name].restored_from, act.save_end, "stashed", act.nbytes
             else:

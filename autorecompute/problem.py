@@ -60,8 +60,10 @@ class StashOption:
     Attributes:
         action: ``"offload"``, ``"offload:late"`` (no prefetch), ``"compress:<dtype>"``,
             ``"rematerialize"`` (dropped after forward, recomputed by its op from held inputs when backward
-            first needs it), or ``"rematerialize:chain"`` (the same through a chain of ops back past other
-            saved tensors, which it makes again too: ``delivers``).
+            first needs it), ``"rematerialize:through"`` (the same from the model's inputs and parameters,
+            making the saved tensors on the way again as temporaries), or ``"rematerialize:chain"`` (the
+            same through a chain of ops back past other saved tensors, which it makes again too:
+            ``delivers``).
         stored_bytes: device bytes of the stored copy.
         stored_from: position where the stored copy is made (the first saver's forward).
         restored_from: position from which the full tensor is back on the device.
@@ -74,6 +76,9 @@ class StashOption:
         delivers: saved activations the recipe makes on its way (``"rematerialize:chain"``): dropped after
             forward too, and back on the device from ``restored_from`` to their own ``save_end``. Valid only
             while no other choice stashes them, a kept saver holds them and no region holds them as inputs.
+        transient_bytes: device bytes the recipe's temporaries take besides its result while it runs, at
+            ``restored_from`` (``"rematerialize:through"``, which makes saved tensors again on its way
+            without handing them over).
     """
 
     action: str
@@ -85,6 +90,7 @@ class StashOption:
     needs_unstashed: tuple[str, ...] = ()
     recipe: tuple[str, ...] = ()
     delivers: tuple[str, ...] = ()
+    transient_bytes: int = 0
 
 
 @dataclass(frozen=True)

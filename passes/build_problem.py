@@ -21,6 +21,7 @@ LOSSY_COST = {"bfloat16": 1, "float16": 1, "float8": 2, "int8": 2}   # per byte 
 MAX_PREFETCH_LEAD = 8   # backward positions a prefetch may start before the first use
 MAX_RECIPE_OPS = 8      # ops one rematerialization may run again (an elementwise chain back to held inputs)
 MAX_CHAIN_HEAVY_OPS = 1  # ops with FLOPs a chain rematerialization may run (one matmul per tensors it frees)
+MAX_THROUGH_HEAVY_OPS = 2  # ops with FLOPs a rematerialization from the model's inputs may run (two convolutions)
 
 
 def is_transparent(node: torch.fx.Node) -> bool:
@@ -46,6 +47,9 @@ def is_random(node: torch.fx.Node) -> bool:
 
 # composite ops whose schema does not say they update their running statistics in training mode
 _UPDATES_STATE = {torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default}
+# of those, the ones a recipe runs again without the update (``runtime.regions.batch_norm_once``: in training
+# mode the output depends on the batch statistics alone)
+REPLAYABLE = {torch.ops.aten.batch_norm.default}
 
 
 def updates_state(node: torch.fx.Node) -> bool:
@@ -128,10 +132,10 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
     if recompute:
         by_name = {act.name: act for act in activations}
         for act in activations:
-            found = tuple(option for chain in (False, True)
+            found = tuple(option for kind in ("plain", "chain", "through")
                           if (option := rematerialize_option(nodes.get(act.name), act, profile, by_name, recomputable,
                                                              backward_position, cost, num_forward, last, device,
-                                                             chain)) is not None)
+                                                             kind)) is not None)
             if found:
                 options[act.name] = found
     if offload is not None or compress_dtypes:
@@ -259,7 +263,7 @@ def first_backward_use(saver_backward: list[int | None], last: int, num_forward:
 
 def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, activations: dict[str, Activation],
                          recomputable: frozenset[str], backward_position, cost: dict[str, int], num_forward: int,
-                         last: int, device: TransferModel = CPU_DISK, chain: bool = False) -> StashOption | None:
+                         last: int, device: TransferModel = CPU_DISK, kind: str = "plain") -> StashOption | None:
     """Dropping ``act`` after forward and running its op again — with the ops that made its inputs, back to
     inputs that stay on the device anyway — when backward first needs it. A checkpointed region cannot do
     this without recomputing the op that saved ``act`` too.
@@ -278,7 +282,20 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
     from the linear output before the previous GELU frees that linear output and the GELU output it reads
     for one matmul, where two single-op recipes cannot (each would need the other's tensor held). Offered
     only when it delivers something.
+
+    With ``kind="through"`` (action ``"rematerialize:through"``) the walk goes through every input back to
+    the model's inputs and parameters, held or not, running at most ``MAX_THROUGH_HEAVY_OPS`` ops with FLOPs:
+    the saved tensors it passes are made again as temporaries, not handed over, so each keeps its own choice
+    — often its own rematerialization, later: a tensor recomputed twice, which neither a region (recomputed
+    once, held to its last use) nor a chain can do. Near a CNN's input, where the largest tensors are, each
+    tensor of the first block can then be made from the image just before its own backward (Checkmate's
+    optimum recomputes there too). Offered only when it passes a held saved tensor. Its temporaries
+    (``transient_bytes``) count at its first use.
+
+    BatchNorm in training mode runs again without updating its running statistics
+    (``runtime.regions.batch_norm_once``), in recipes as in regions.
     """
+    chain, through = kind == "chain", kind == "through"
     if node is None or node.op != "call_function" or act.owner != node.name or node.name not in recomputable:
         return None
     if not act.savers or act.save_end < act.hold_start or not _whole_tensor(node, act.nbytes):
@@ -298,7 +315,7 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
         source = activations.get(storage)
         if chain is False or source is None or arg.name != storage or arg.name not in recomputable:
             return False
-        if is_random(arg) or updates_state(arg) or not _whole_tensor(arg, source.nbytes):
+        if is_random(arg) or _unreplayable(arg) or not _whole_tensor(arg, source.nbytes):
             return False
         if not source.savers or source.save_end < source.hold_start:
             return False
@@ -307,6 +324,7 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
     recipe: dict[str, torch.fx.Node] = {}
     needs_kept, needs_unstashed, delivers = [], [], []
     heavy = int(node_info(node).flops > 0)      # ops with FLOPs in the recipe, counted as they join it
+    passes_held = False                         # (through) it makes a held saved tensor again on its way
     visiting = [node]
     while visiting:
         n = visiting.pop()
@@ -314,8 +332,8 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
             continue
         info = node_info(n) if n.op == "call_function" else None
         # made again: a plannable op with one output (an op's internal saves, a dropout mask, are temporaries)
-        if info is None or n.name not in recomputable or (n is not node and is_random(n)) or updates_state(n):
-            return None       # (a checkpointed region replays BatchNorm without updating it; a recipe does not)
+        if info is None or n.name not in recomputable or (n is not node and is_random(n)) or _unreplayable(n):
+            return None
         if any(".saved" not in c for c in info.creates[1:]) or len(recipe) == MAX_RECIPE_OPS:
             return None
         if n is node and info.creates[:1] != [act.name]:
@@ -337,7 +355,14 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
                 if tensor is None or tensor.is_output or not tensor.nbytes:
                     continue                  # graph outputs live to the end
             guards = [s for s in source.savers if position(s) >= act.save_end] if source is not None else []
-            if guards and storage not in delivers and not (
+            if through:
+                passes_held = passes_held or bool(guards)
+                if arg.name not in recipe and arg not in visiting:
+                    heavy += arg_info.flops > 0
+                    if heavy > MAX_THROUGH_HEAVY_OPS:
+                        return None
+                visiting.append(arg)          # made again, a temporary of the recipe
+            elif guards and storage not in delivers and not (
                     deliverable(arg, storage) and heavy + (arg_info.flops > 0) <= MAX_CHAIN_HEAVY_OPS):
                 # a base: held by a kept saver until act's last use
                 if not any(s not in recomputable for s in guards):
@@ -351,16 +376,44 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
                 if arg.name not in recipe and arg not in visiting:
                     heavy += arg_info.flops > 0
                 visiting.append(arg)          # made again too
-    if chain and not delivers:
+    if (chain and not delivers) or (through and not passes_held):
         return None
     order = sorted(recipe, key=lambda name: node_info(recipe[name]).position)
     overhead = device.seconds_to_cost(device.stash_seconds) * (1 + len(delivers))
-    return StashOption("rematerialize:chain" if chain else "rematerialize", stored_bytes=0,
-                       stored_from=act.hold_start, restored_from=first_use,
+    return StashOption("rematerialize:through" if through else "rematerialize:chain" if chain else "rematerialize",
+                       stored_bytes=0, stored_from=act.hold_start, restored_from=first_use,
                        cost=overhead + sum(cost[op] for op in order),
                        needs_kept=tuple(dict.fromkeys([*order, *needs_kept])),
                        needs_unstashed=tuple(dict.fromkeys(needs_unstashed)), recipe=tuple(order),
-                       delivers=tuple(delivers))
+                       delivers=tuple(delivers), transient_bytes=_transient(profile, [recipe[n] for n in order], first_use - num_forward) if through else 0)
+
+
+def _unreplayable(node: torch.fx.Node) -> bool:
+    """An op a recipe cannot run again: it would update state a second time (BatchNorm is replayed without)."""
+    return updates_state(node) and node.target not in REPLAYABLE
+
+
+def _transient(profile, ops: list[torch.fx.Node], event: int) -> int:
+    """What a recipe run at the start of backward event ``event`` adds to that event's peak: its
+    temporaries (:func:`_recipe_temporaries`) beyond what the event itself allocates after them."""
+    return max(0, _recipe_temporaries(profile, ops) - profile.headroom(event))
+
+
+def _recipe_temporaries(profile, ops: list[torch.fx.Node]) -> int:
+    """Peak bytes of a recipe's temporaries besides its result: running ``ops`` in order, the tensors made
+    by earlier ops that a later op still reads, and what the op allocates, less the final result."""
+    made = {n.name: sum(profile.tensors[t].nbytes for t in node_info(n).creates) for n in ops}
+    last_read = {}
+    for i, n in enumerate(ops):
+        for arg in n.all_input_nodes:
+            if arg.name in made:
+                last_read[arg.name] = i
+    peak = 0
+    for i, n in enumerate(ops):
+        live = sum(made[o.name] for o in ops[:i] if last_read.get(o.name, -1) >= i)
+        peak = max(peak, live + made[n.name])
+    result = profile.tensors[node_info(ops[-1]).creates[0]].nbytes
+    return max(0, peak - result)
 
 
 def _whole_tensor(node: torch.fx.Node, nbytes: int) -> bool:

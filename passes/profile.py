@@ -71,6 +71,15 @@ class StepProfile:
     backward_peaks: list[int]                     # tracked bytes per backward event
     parameter_grad_bytes: int
     tracked_peak: int
+    # tracked bytes as each backward event starts: a saved tensor is unpacked then, before the event's own
+    # allocations (its gradients), so what a recipe makes at that moment shares the event's headroom
+    backward_starts: list[int] = field(default_factory=list)
+
+    def headroom(self, event: int) -> int:
+        """Bytes backward event ``event`` allocates above what was live as it started (0 when unknown)."""
+        if not 0 <= event < min(len(self.backward_peaks), len(self.backward_starts)):
+            return 0
+        return max(0, self.backward_peaks[event] - self.backward_starts[event])
 
     @property
     def resident_bytes(self) -> int:
@@ -126,6 +135,7 @@ class _Profiler(torch.fx.Interpreter):
         self.forward_peaks: list[int] = []
         self.backward_events: list[str] = []
         self.backward_peaks: list[int] = []
+        self.backward_starts: list[int] = []  # tracked bytes as each backward event starts (before its op runs)
         self.first_segment_peak = 0          # memory before the first backward event (the seed gradients)
         self.counter: FlopCounterMode | None = None
         self.flops_at_last_pack = 0
@@ -223,6 +233,7 @@ class _Profiler(torch.fx.Interpreter):
 
     def _on_backward(self, name: str):
         def hook(grad_outputs):
+            self.backward_starts.append(self.tracker.current)
             peak = self.tracker.reset_window_peak()
             if self.backward_events:
                 self.backward_peaks.append(peak)
@@ -281,7 +292,8 @@ def profile_step(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> StepPro
     profile = StepProfile(
         resident=resident, tensors=profiler.tensors, order=profiler.order,
         forward_peaks=profiler.forward_peaks, backward_events=profiler.backward_events,
-        backward_peaks=profiler.backward_peaks, parameter_grad_bytes=parameter_grad_bytes,
+        backward_peaks=profiler.backward_peaks, backward_starts=profiler.backward_starts,
+        parameter_grad_bytes=parameter_grad_bytes,
         tracked_peak=tracker.peak)
     gm.meta[META_KEY] = profile
     return profile

@@ -15,7 +15,7 @@ import torch.fx
 
 from autorecompute.runtime.regions import CheckpointRegion, batch_norm_once
 
-_BATCH_NORM = torch.ops.aten.batch_norm.default
+BATCH_NORM = torch.ops.aten.batch_norm.default
 REGION_MEMBERS = "autorecompute_region"    # node.meta key of a region call: names of the ops it runs
 SOURCE = "autorecompute_source"            # node.meta key of a region output: the op it stands for
 
@@ -104,7 +104,7 @@ def _outline(gm: torch.fx.GraphModule, region: list[torch.fx.Node], name: str) -
         env[arg].meta = dict(arg.meta)
     for node in region:
         copied = body.node_copy(node, lambda n: env[n])
-        if node.target is _BATCH_NORM:
+        if node.target is BATCH_NORM:
             copied.target = batch_norm_once
             copied.args = (recomputing, *copied.args)
         env[node] = copied

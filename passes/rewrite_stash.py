@@ -34,7 +34,8 @@ import torch.fx
 
 from autorecompute.passes.build_problem import is_random
 from autorecompute.passes.profile import NodeInfo, step_profile
-from autorecompute.passes.rewrite_recompute import REGION_MEMBERS, SOURCE
+from autorecompute.passes.rewrite_recompute import BATCH_NORM, REGION_MEMBERS, SOURCE
+from autorecompute.runtime.regions import batch_norm_once
 from autorecompute.problem import GRADIENT
 from autorecompute.runtime.stash import (StashRuntime, stash_compress, stash_offload, stash_prefetch,
                                          stash_delivered, stash_gradient, stash_release, stash_rematerialize, stash_rng_state,
@@ -65,7 +66,8 @@ def _recipe_module(chain: list[torch.fx.Node], delivers: list[torch.fx.Node] = (
                    ) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
     """The ops of a rematerialization recipe as a GraphModule over its bases (the inputs it reads that it
     does not make), and those bases. It returns its last op's value, or that and the values of ``delivers``
-    (a chain rematerialization)."""
+    (a chain rematerialization). BatchNorm runs as in a recomputed region: without updating its running
+    statistics a second time."""
     graph, env, bases = torch.fx.Graph(), {}, []
     members = set(chain)
     for node in chain:
@@ -74,6 +76,9 @@ def _recipe_module(chain: list[torch.fx.Node], delivers: list[torch.fx.Node] = (
                 env[arg] = graph.placeholder(f"base_{len(bases)}")
                 bases.append(arg)
         env[node] = graph.node_copy(node, lambda a: env[a])
+        if node.target is BATCH_NORM:
+            env[node].target = batch_norm_once
+            env[node].args = (True, *env[node].args)
     graph.output((env[chain[-1]], *[env[node] for node in delivers]) if delivers else env[chain[-1]])
     return torch.fx.GraphModule(torch.nn.Module(), graph), bases
 
@@ -195,6 +200,8 @@ def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_a
             gm.add_submodule(f"remat_{value.name}", module)
             with graph.inserting_before(value):
                 op, args, kwargs = graph.get_attr(f"remat_{value.name}"), tuple(bases), {}
+        elif value.target is BATCH_NORM:      # replayed without a second update of its statistics
+            op, args, kwargs = batch_norm_once, (True, *value.args), value.kwargs
         else:
             op, args, kwargs = value.target, value.args, value.kwargs
         with graph.inserting_after(value):

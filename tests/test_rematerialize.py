@@ -141,17 +141,74 @@ def test_a_chain_is_made_again_back_to_held_inputs():
     assert result.peak < eager.peak
 
 
-def test_no_recipe_runs_an_op_that_updates_state():
-    """BatchNorm in training mode updates its running statistics: a recipe running it again would update
-    them twice, so no rematerialization goes through it (checkpointed regions replay it without update)."""
+def _step_from(state, module, model, x):
+    """A measured step of ``module`` from the buffers ``state`` (BatchNorm's statistics before the step)."""
+    model.load_state_dict(state)
+    return measured_step(module, model, (x,), {}, seed=1)
+
+
+def test_recipes_run_batch_norm_again_without_updating_it():
+    """BatchNorm in training mode updates its running statistics: a recipe runs it again as a recomputed
+    region does (``batch_norm_once``), on copies of the statistics — the outputs depend on the batch
+    statistics alone, so gradients are bitwise eager's and the statistics are updated exactly once."""
+    import copy
+
+    from autorecompute.memory_model import effective_stash
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
-    gm, problem = planned(model, torch.randn(4, 3, 16, 16))
-    batch_norms = {n.name for n in gm.graph.nodes if "batch_norm" in n.name}
-    assert batch_norms
-    for options in problem.stash_options.values():
-        for option in options:
-            assert not batch_norms & set(option.recipe)
+    x = torch.randn(4, 3, 16, 16)
+    gm, problem = planned(model, x)
+    through_batch_norm = {name: o for name, opts in problem.stash_options.items() for o in opts
+                          if o.action == "rematerialize" and "batch_norm" in o.recipe}
+    assert through_batch_norm
+    stash = effective_stash(problem, {}, {name: "rematerialize" for name in through_batch_norm})
+    assert stash
+    module = with_stash(gm, problem, stash, {name: through_batch_norm[name].recipe for name in stash})
+    state = copy.deepcopy(model.state_dict())
+    eager = _step_from(state, model, model, x)
+    result = _step_from(state, module, model, x)
+    assert_bitwise_equal(eager, result)
+    for name, value in eager.buffers.items():    # running mean, variance, num_batches_tracked: once
+        assert torch.equal(value, result.buffers[name]), name
+    assert int(result.buffers["1.num_batches_tracked"]) == int(state["1.num_batches_tracked"]) + 1
+
+
+def test_a_tensor_is_made_again_from_the_input_twice():
+    """VGG's first block: each of its 0.5-MiB tensors is needed at its own backward, but made from the one
+    before it. A region (recomputed once, held to its last use) or a chain (handing over what it makes on
+    its way) holds two at once; ``rematerialize:through`` makes each from the image just before its backward,
+    the earlier ones again as temporaries. The lowest peak falls, the measured step stays within it, and
+    gradients and BatchNorm statistics are eager's."""
+    import copy
+    from dataclasses import replace
+
+    import models
+    from autorecompute.solvers import cpsat
+
+    case = models.make("vgg")
+    x = case.args[0]
+    model = case.model
+    state = copy.deepcopy(model.state_dict())
+    gm, problem = planned(model, x)
+    without = replace(problem, stash_options={name: tuple(o for o in options if o.action != "rematerialize:through")
+                                              for name, options in problem.stash_options.items()})
+    lowest = cpsat.solve(problem, minimize="peak", time_limit=10)
+    lowest_without = cpsat.solve(without, minimize="peak", time_limit=10)
+    assert lowest.status == lowest_without.status == "optimal"
+    assert lowest.objective < lowest_without.objective - 2**18           # a quarter of a MiB lower at least
+    assert "rematerialize:through" in lowest.stash.values()
+
+    optimized = autorecompute.compile(model, budget=lowest.objective, actions=("recompute",), solver_time_limit=4)
+    model.load_state_dict(state)
+    optimized.prepare(x)
+    assert optimized.plan.predicted_peak <= lowest.objective
+    eager = _step_from(state, model, model, x)
+    result = _step_from(state, optimized, model, x)
+    assert result.peak <= optimized.plan.budget < eager.peak
+    assert_bitwise_equal(eager, result)
+    for name, value in eager.buffers.items():
+        assert torch.equal(value, result.buffers[name]), name
 
 
 def test_recipes_replay_the_autocast_state():

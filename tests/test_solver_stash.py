@@ -139,7 +139,8 @@ def random_problems(draw):
                     opts.append(StashOption(
                         "rematerialize", 0, last_use + 1, first_use, draw(st.integers(1, 9)),
                         needs_kept=(f"op{i}", *draw(st.sets(st.sampled_from(chain), max_size=1))),
-                        needs_unstashed=tuple(draw(st.sets(st.sampled_from(earlier), max_size=1))) if earlier else ()))
+                        needs_unstashed=tuple(draw(st.sets(st.sampled_from(earlier), max_size=1))) if earlier else (),
+                        transient_bytes=draw(st.sampled_from([0, 0, 1500]))))   # a recipe's temporaries
                 earlier = [a.name for a in acts if a.name != name and a.savers and a.save_end >= a.hold_start]
                 if earlier and draw(st.booleans()):   # made again with tensors it delivers on its way
                     opts.append(StashOption(
@@ -159,7 +160,8 @@ def random_problems(draw):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_problems())
 def test_cpsat_agrees_with_brute_force_over_all_actions(problem):
-    """Keep / recompute / rematerialize (one op or a chain that delivers others) / offload / compress:
+    """Keep / recompute / rematerialize (one op or a chain that delivers others, with or without
+    temporaries while the recipe runs) / offload / compress:
     CP-SAT's optimum equals brute force over the memory model."""
     decisions = list(all_decisions(problem))
     peaks = [predicted_peak(problem, r, s) for r, s in decisions]

@@ -262,6 +262,8 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
                         model.add_implication(var, ~other)
                 add_piece(option.stored_from, act.save_end, option.stored_bytes, var)
                 add_piece(option.restored_from, act.save_end, act.nbytes, var)
+                # ... and its recipe's temporaries while it runs
+                add_piece(option.restored_from, option.restored_from, option.transient_bytes, var)
             for option, var in deliveries.get(act.name, ()):
                 # made again by a chain rematerialization: back from where that one is
                 add_piece(option.restored_from, act.save_end, act.nbytes, var)
