@@ -74,10 +74,11 @@ class _Stash:
         """Makes the stored copy (at the first save); the forward keeps using the original meanwhile."""
         if self.started or self.flat is None:
             return
+        if self.recipe is not None:    # the inputs the recipe holds are the stored copy
+            self.started = True
+            return
         with torch.no_grad():
-            if self.recipe is not None:
-                pass                   # the inputs the recipe holds are the stored copy
-            elif self.codec is not None:
+            if self.codec is not None:
                 source = self.flat.view(self.shape) if self.shape is not None else self.flat
                 self.stored = self.codec.encode(source)
             else:
@@ -137,8 +138,13 @@ class _Stash:
                                f"modified in place after forward (inputs {changed}); do not modify the model's "
                                "inputs or buffers between forward and backward, or plan without 'recompute'")
         device_type, enabled, dtype = autocast
-        # as in forward: no gradient, the same autocast state, the same random numbers
-        with torch.no_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+        # as in forward: no gradient, the same autocast state, the same random numbers (each context only
+        # where it changes something: backward usually runs without gradient and autocast, and entering
+        # both took a third of a small rematerialization's time)
+        grad_off = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+        same_autocast = not enabled and not torch.is_autocast_enabled(device_type)
+        cast = contextlib.nullcontext() if same_autocast else torch.autocast(device_type, dtype=dtype, enabled=enabled)
+        with grad_off, cast:
             if rng is None:
                 out = op(*args, **kwargs)
             else:
@@ -193,11 +199,15 @@ class _SavedRef:
         self.view = (tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype)
         self.stash, self.tensor = stash, None
         stash.refs += 1
-        weakref.finalize(self, stash.drop_ref)
         stash.start()
 
     def unpack(self) -> torch.Tensor:
         return self.tensor if self.stash is None else self.stash.restore(*self.view)
+
+    def __del__(self):
+        # autograd dropped this saved reference (its op's backward is done, or the graph was freed)
+        if self.stash is not None:
+            self.stash.drop_ref()
 
 
 class _Step:
