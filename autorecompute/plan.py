@@ -3,7 +3,8 @@
 A frozen, JSON-serializable record keyed by node name. ``decisions`` maps every op the solver could act on
 to ``"keep"`` or ``"recompute"``; ``stash`` maps every activation taken off the device (``"offload"``),
 stored smaller (``"compress:<dtype>"``) or dropped and made again by its own op when backward needs it
-(``"rematerialize"``; ``"rematerialize:chain"``: by a chain of ops that makes other saved tensors again too) to a :class:`StashRecord`; ``nodes`` carries what a person needs to
+(``"rematerialize"``; ``"rematerialize:chain"``: by a chain of ops that makes other saved tensors again too;
+``"rematerialize:through"``: from the model's inputs, the saved tensors on the way made again as temporaries) to a :class:`StashRecord`; ``nodes`` carries what a person needs to
 read it (shape, dtype, bytes, module path, FLOPs).
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from autorecompute.budget import format_bytes
 from autorecompute.problem import GRADIENT
 
-SCHEMA_VERSION = 4          # 4: the ``rematerialize:chain`` action, ``delivers`` / ``delivered_by``; 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``; 2: ``stash``
+SCHEMA_VERSION = 5          # 5: the ``rematerialize:through`` action; 4: the ``rematerialize:chain`` action, ``delivers`` / ``delivered_by``; 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``; 2: ``stash``
 ACTIONS = ("keep", "recompute", "rematerialize", "offload", "compress")
 
 
@@ -185,7 +186,7 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         data = json.loads(text)
         version = data.pop("schema_version", None)
-        if version not in (1, 2, 3, SCHEMA_VERSION):
+        if version not in (1, 2, 3, 4, SCHEMA_VERSION):
             raise ValueError(f"plan JSON has schema_version {version!r}; this autorecompute reads "
                              f"1 to {SCHEMA_VERSION}")
         known = {f.name for f in fields(cls)}
