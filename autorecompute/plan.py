@@ -4,8 +4,9 @@ A frozen, JSON-serializable record keyed by node name. ``decisions`` maps every 
 to ``"keep"`` or ``"recompute"``; ``stash`` maps every activation taken off the device (``"offload"``),
 stored smaller (``"compress:<dtype>"``) or dropped and made again by its own op when backward needs it
 (``"rematerialize"``; ``"rematerialize:chain"``: by a chain of ops that makes other saved tensors again too;
-``"rematerialize:through"``: from the model's inputs, the saved tensors on the way made again as temporaries) to a :class:`StashRecord`; ``nodes`` carries what a person needs to
-read it (shape, dtype, bytes, module path, FLOPs).
+``"rematerialize:through"``: from the model's inputs, the saved tensors on the way made again as
+temporaries) to a :class:`StashRecord`; ``nodes`` carries what a person needs to read it (shape, dtype,
+bytes, module path, FLOPs).
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from typing import Any
 from autorecompute.budget import format_bytes
 from autorecompute.problem import GRADIENT
 
-SCHEMA_VERSION = 5          # 5: the ``rematerialize:through`` action; 4: the ``rematerialize:chain`` action, ``delivers`` / ``delivered_by``; 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``; 2: ``stash``
+# 5: the ``rematerialize:through`` action; 4: the ``rematerialize:chain`` action, ``delivers`` / ``delivered_by``;
+# 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``; 2: ``stash``
+SCHEMA_VERSION = 5
 ACTIONS = ("keep", "recompute", "rematerialize", "offload", "compress")
 
 
@@ -282,8 +285,10 @@ def _why(action: str, node: NodeRecord, held_at_peak: bool, stashed: list[StashR
             ops = max(len(r.recipe) for r in stashed)
             how = "its op" if ops <= 1 else f"{ops} ops"
             also = sorted({d for r in stashed for d in r.delivers})
-            return (f"rematerialized: {format_bytes(moved)} dropped after forward, {how} run again on held "
-                    f"inputs when backward needs it" + (f" (making {', '.join(also)} again too)" if also else ""))
+            inputs = "the model's inputs" if any(r.action == "rematerialize:through" for r in stashed) \
+                else "held inputs"
+            return (f"rematerialized: {format_bytes(moved)} dropped after forward, {how} run again on {inputs} "
+                    f"when backward needs it" + (f" (making {', '.join(also)} again too)" if also else ""))
         return f"compressed: {format_bytes(moved)} off the device until backward ({stashed[0].expected_error})"
     if action == "recompute":
         if node.held_bytes == 0:

@@ -380,12 +380,14 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
         return None
     order = sorted(recipe, key=lambda name: node_info(recipe[name]).position)
     overhead = device.seconds_to_cost(device.stash_seconds) * (1 + len(delivers))
+    # (plain and chain recipes make little besides their result: their temporaries are left to verification)
+    transient = _transient(profile, [recipe[n] for n in order], first_use - num_forward) if through else 0
     return StashOption("rematerialize:through" if through else "rematerialize:chain" if chain else "rematerialize",
                        stored_bytes=0, stored_from=act.hold_start, restored_from=first_use,
                        cost=overhead + sum(cost[op] for op in order),
                        needs_kept=tuple(dict.fromkeys([*order, *needs_kept])),
                        needs_unstashed=tuple(dict.fromkeys(needs_unstashed)), recipe=tuple(order),
-                       delivers=tuple(delivers), transient_bytes=_transient(profile, [recipe[n] for n in order], first_use - num_forward) if through else 0)
+                       delivers=tuple(delivers), transient_bytes=transient)
 
 
 def _unreplayable(node: torch.fx.Node) -> bool:
