@@ -30,7 +30,9 @@ class StashRecord:
     Attributes:
         action: ``"offload"`` (prefetched before backward needs it), ``"offload:late"`` (copied back when
             backward needs it: less memory, the copy not hidden), ``"compress:<dtype>"`` or
-            ``"rematerialize"`` (dropped after forward, its op run again on held inputs at first use).
+            ``"rematerialize"`` (dropped after forward, its op run again on held inputs at first use;
+            ``"rematerialize:chain"``: with the ops back past other saved tensors, which it hands over;
+            ``"rematerialize:through"``: from the model's inputs, those made again as temporaries).
         owner: the op that makes it.
         nbytes: its size; ``stored_bytes`` what stays on the device meanwhile (0 when offloaded).
         shape, dtype: of the tensor.

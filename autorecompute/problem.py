@@ -76,9 +76,10 @@ class StashOption:
         delivers: saved activations the recipe makes on its way (``"rematerialize:chain"``): dropped after
             forward too, and back on the device from ``restored_from`` to their own ``save_end``. Valid only
             while no other choice stashes them, a kept saver holds them and no region holds them as inputs.
-        transient_bytes: device bytes the recipe's temporaries take besides its result while it runs, at
-            ``restored_from`` (``"rematerialize:through"``, which makes saved tensors again on its way
-            without handing them over).
+        transient_bytes: device bytes the recipe's temporaries add at ``restored_from`` while it runs: their
+            peak besides its result, less what that backward event allocates after it unpacks its saved
+            tensors (``"rematerialize:through"``, which makes saved tensors again on its way without
+            handing them over).
     """
 
     action: str

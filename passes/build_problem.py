@@ -405,11 +405,20 @@ def _recipe_temporaries(profile, ops: list[torch.fx.Node]) -> int:
     """Peak bytes of a recipe's temporaries besides its result: running ``ops`` in order, the tensors made
     by earlier ops that a later op still reads, and what the op allocates, less the final result."""
     made = {n.name: sum(profile.tensors[t].nbytes for t in node_info(n).creates) for n in ops}
+    by_name = {n.name: n for n in ops}
+
+    def storage(name: str) -> str:
+        """The recipe op whose allocation ``name`` shares (a view keeps its base alive)."""
+        while made.get(name) == 0 and by_name[name].all_input_nodes \
+                and by_name[name].all_input_nodes[0].name in made:
+            name = by_name[name].all_input_nodes[0].name
+        return name
+
     last_read = {}
     for i, n in enumerate(ops):
         for arg in n.all_input_nodes:
             if arg.name in made:
-                last_read[arg.name] = i
+                last_read[storage(arg.name)] = i
     peak = 0
     for i, n in enumerate(ops):
         live = sum(made[o.name] for o in ops[:i] if last_read.get(o.name, -1) >= i)

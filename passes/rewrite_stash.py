@@ -62,14 +62,19 @@ def _info(node: torch.fx.Node) -> NodeInfo | None:
     return info if isinstance(info, NodeInfo) else None
 
 
+_RUNNING_STATISTICS = (3, 4)   # running_mean, running_var among aten.batch_norm's arguments
+
+
 def _recipe_module(chain: list[torch.fx.Node], delivers: list[torch.fx.Node] = ()
-                   ) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
+                   ) -> tuple[torch.fx.GraphModule, list[torch.fx.Node], tuple[int, ...]]:
     """The ops of a rematerialization recipe as a GraphModule over its bases (the inputs it reads that it
-    does not make), and those bases. It returns its last op's value, or that and the values of ``delivers``
-    (a chain rematerialization). BatchNorm runs as in a recomputed region: without updating its running
-    statistics a second time."""
+    does not make), those bases, and the positions among them of BatchNorm's running statistics (whose
+    later in-place updates do not matter to the recipe). It returns its last op's value, or that and the
+    values of ``delivers`` (a chain rematerialization). BatchNorm runs as in a recomputed region: without
+    updating its running statistics a second time."""
     graph, env, bases = torch.fx.Graph(), {}, []
     members = set(chain)
+    statistics = set()
     for node in chain:
         for arg in node.all_input_nodes:
             if arg not in members and arg not in env:
@@ -79,8 +84,10 @@ def _recipe_module(chain: list[torch.fx.Node], delivers: list[torch.fx.Node] = (
         if node.target is BATCH_NORM:
             env[node].target = batch_norm_once
             env[node].args = (True, *env[node].args)
+            statistics.update(node.args[i] for i in _RUNNING_STATISTICS if i < len(node.args))
     graph.output((env[chain[-1]], *[env[node] for node in delivers]) if delivers else env[chain[-1]])
-    return torch.fx.GraphModule(torch.nn.Module(), graph), bases
+    unchecked = tuple(i for i, base in enumerate(bases) if base in statistics)
+    return torch.fx.GraphModule(torch.nn.Module(), graph), bases, unchecked
 
 
 def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_at: Mapping[str, int],
@@ -89,12 +96,12 @@ def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_a
     """Rewrites ``gm`` in place (and returns it) so the activations in ``stash`` are stashed as the plan says.
 
     Args:
-        stash: tensor name → ``"offload"``, ``"offload:late"``, ``"compress:<dtype>"``, ``"rematerialize"`` or
-            ``"rematerialize:chain"`` (the plan's choices).
+        stash: tensor name → ``"offload"``, ``"offload:late"``, ``"compress:<dtype>"``, ``"rematerialize"``,
+            ``"rematerialize:chain"`` or ``"rematerialize:through"`` (the plan's choices).
         prefetch_at: tensor name → backward event from which an offloaded tensor may be back on the device.
         runtime: the tiers; added as the submodule ``stash_runtime``.
         recipes: rematerialized tensor → the ops its recipe runs again (default: its own op alone); a
-            longer recipe becomes the submodule ``remat_<tensor>``.
+            longer recipe, or BatchNorm alone, becomes the submodule ``remat_<tensor>``.
         delivers: chain-rematerialized tensor → the saved tensors its recipe makes again on its way; each
             gets a ``stash_delivered`` node, whose handle the recipe's ``stash_rematerialize`` node takes.
     """
@@ -191,26 +198,26 @@ def rewrite_stash(gm: torch.fx.GraphModule, stash: Mapping[str, str], prefetch_a
                 rng = graph.call_function(stash_rng_state, (str(value.meta["val"].device),))
             rng.name = f"rng_state_{value.name}"
         recipe = (recipes or {}).get(name, (name,))
-        if remade and len(recipe) > 1:
+        # a longer recipe, or BatchNorm (run as batch_norm_once: not an op the graph can pass as a value),
+        # becomes a GraphModule of its own
+        if remade and action != "delivered" and (len(recipe) > 1 or value.target is BATCH_NORM):
             chain = [value_of.get(op) for op in recipe]
             if any(node is None or node.name != op for node, op in zip(chain, recipe)):
                 raise ValueError(f"the recipe {recipe} of {name!r} has ops outside the outer graph (plan and "
                                  "graph disagree: its ops must be kept)")
-            module, bases = _recipe_module(chain, [value_of[made] for made in delivers.get(name, ())])
+            module, bases, unchecked = _recipe_module(chain, [value_of[made] for made in delivers.get(name, ())])
             gm.add_submodule(f"remat_{value.name}", module)
             with graph.inserting_before(value):
                 op, args, kwargs = graph.get_attr(f"remat_{value.name}"), tuple(bases), {}
-        elif value.target is BATCH_NORM:      # replayed without a second update of its statistics
-            op, args, kwargs = batch_norm_once, (True, *value.args), value.kwargs
         else:
-            op, args, kwargs = value.target, value.args, value.kwargs
+            op, args, kwargs, unchecked = value.target, value.args, value.kwargs, ()
         with graph.inserting_after(value):
             if action == "delivered":
                 handle = graph.call_function(stash_delivered, (runtime_node, value, name))
             elif remade:
                 made = tuple(handles[m] for m in delivers.get(name, ()))
                 handle = graph.call_function(stash_rematerialize, (runtime_node, value, name, op, args, kwargs,
-                                                                   rng, made))
+                                                                   rng, made, unchecked))
             elif action.startswith("offload"):
                 handle = graph.call_function(stash_offload, (runtime_node, value, name))
             else:

@@ -174,6 +174,42 @@ def test_recipes_run_batch_norm_again_without_updating_it():
     assert int(result.buffers["1.num_batches_tracked"]) == int(state["1.num_batches_tracked"]) + 1
 
 
+def test_two_forwards_before_one_backward_with_batch_norm_made_again():
+    """The second forward updates BatchNorm's running statistics in place before the first forward's
+    backward runs the recipe again: the recipe does not depend on them (training mode) and does not check
+    them for in-place changes, and gradients and statistics are eager's. BatchNorm's output alone is
+    rematerialized (a single-op recipe, Conv → BN → Conv: it runs as a recipe module of its own)."""
+    import copy
+
+    from autorecompute.memory_model import effective_stash
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3, padding=1))
+    x1, x2 = torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)
+    gm, problem = planned(model, x1)
+    option = problem.stash_option("batch_norm", "rematerialize")
+    assert option is not None and option.recipe == ("batch_norm",)
+    stash = effective_stash(problem, {}, {"batch_norm": "rematerialize"})
+    assert stash == {"batch_norm": "rematerialize"}
+    module = with_stash(gm, problem, stash)
+    state = copy.deepcopy(model.state_dict())
+
+    def two_forwards_one_backward(m):
+        model.load_state_dict(state)
+        for p in model.parameters():
+            p.grad = None
+        (m(x1).sum() + m(x2).sum()).backward()
+        return ({n: p.grad.clone() for n, p in model.named_parameters()},
+                {n: b.clone() for n, b in model.named_buffers()})
+
+    eager_grads, eager_buffers = two_forwards_one_backward(model)
+    grads, buffers = two_forwards_one_backward(module)
+    for name, value in eager_grads.items():
+        assert torch.equal(value, grads[name]), name
+    for name, value in eager_buffers.items():
+        assert torch.equal(value, buffers[name]), name
+
+
 def test_a_tensor_is_made_again_from_the_input_twice():
     """VGG's first block: each of its 0.5-MiB tensors is needed at its own backward, but made from the one
     before it. A region (recomputed once, held to its last use) or a chain (handing over what it makes on
@@ -195,7 +231,6 @@ def test_a_tensor_is_made_again_from_the_input_twice():
                                               for name, options in problem.stash_options.items()})
     lowest = cpsat.solve(problem, minimize="peak", time_limit=10)
     lowest_without = cpsat.solve(without, minimize="peak", time_limit=10)
-    assert lowest.status == lowest_without.status == "optimal"
     assert lowest.objective < lowest_without.objective - 2**18           # a quarter of a MiB lower at least
     assert "rematerialize:through" in lowest.stash.values()
 
@@ -203,6 +238,7 @@ def test_a_tensor_is_made_again_from_the_input_twice():
     model.load_state_dict(state)
     optimized.prepare(x)
     assert optimized.plan.predicted_peak <= lowest.objective
+    assert "rematerialize:through" in {record.action for record in optimized.plan.stash.values()}
     eager = _step_from(state, model, model, x)
     result = _step_from(state, optimized, model, x)
     assert result.peak <= optimized.plan.budget < eager.peak

@@ -146,7 +146,8 @@ def random_problems(draw):
                     opts.append(StashOption(
                         "rematerialize:chain", 0, last_use + 1, first_use, draw(st.integers(1, 9)),
                         needs_kept=(f"op{i}",), delivers=tuple(draw(st.sets(st.sampled_from(earlier), min_size=1,
-                                                                            max_size=2)))))
+                                                                            max_size=2))),
+                        transient_bytes=draw(st.sampled_from([0, 0, 1500]))))
                 options[name] = tuple(opts)
     recomputable = frozenset(draw(st.sets(st.sampled_from(chain), min_size=1)))
     positions = 2 * n

@@ -207,7 +207,10 @@ class _SavedRef:
     def __del__(self):
         # autograd dropped this saved reference (its op's backward is done, or the graph was freed)
         if self.stash is not None:
-            self.stash.drop_ref()
+            try:
+                self.stash.drop_ref()
+            except Exception:  # noqa: BLE001 — late in interpreter shutdown; a finalizer must not raise
+                pass
 
 
 class _Step:
@@ -410,21 +413,28 @@ def stash_rng_state(device: str) -> tuple:
 
 
 def stash_rematerialize(runtime: StashRuntime, tensor: torch.Tensor, name: str, op, args: tuple, kwargs: dict,
-                        rng: tuple | None = None, delivers: tuple = ()) -> _Stash | None:
+                        rng: tuple | None = None, delivers: tuple = (), unchecked: tuple[int, ...] = ()
+                        ) -> _Stash | None:
     """Graph node: from here, what autograd saves of ``tensor`` is the recipe ``op(*args, **kwargs)``;
     backward runs it again (replaying ``rng`` and the autocast state) when it first needs ``tensor``. The
     inputs it holds stay on the device no longer than autograd keeps them anyway (the planner checks
     that); an input modified in place meanwhile is an error, not a silent difference.
 
     A chain rematerialization's recipe returns ``tensor`` and then the tensors of ``delivers`` (the
-    handles of their :func:`stash_delivered` nodes): backward makes them all when it first needs one."""
+    handles of their :func:`stash_delivered` nodes): backward makes them all when it first needs one.
+
+    ``unchecked``: positions in ``args`` whose in-place changes do not matter to the recipe (BatchNorm's
+    running statistics: in training mode its output depends on the batch alone, and a second forward
+    before backward updates them again)."""
     # planned for a contiguous layout (a channels-last input now?): kept rather than restored wrongly
     keep = isinstance(tensor, torch.Tensor) and not tensor.is_contiguous()
     if keep and not delivers:
         return _register(runtime, tensor, name, "rematerialize", skip=True)
     device_type = tensor.device.type if isinstance(tensor, torch.Tensor) else "cpu"
     autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    skip = set(unchecked)
+    tensors = [a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in skip]
+    tensors += [a for a in kwargs.values() if isinstance(a, torch.Tensor)]
     versions = tuple((t, t._version) for t in tensors)
     recipe = (op, tuple(args), dict(kwargs), rng, autocast, versions)
     stash = _register(runtime, tensor, name, "rematerialize", recipe, skip=keep)

@@ -299,7 +299,8 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
         previous = a
 
     # Memory at every position, through a running sum (linear in the number of pieces).
-    ceiling = (max(max(problem.fixed), 0) // unit + 1 + 2 * upper)
+    transients = sum(-(-o.transient_bytes // unit) for options in problem.stash_options.values() for o in options)
+    ceiling = (max(max(problem.fixed), 0) // unit + 1 + 2 * upper + transients)
     peak = model.new_int_var(0, ceiling, "peak")
     running = 0
     for p in range(problem.num_positions):
