@@ -355,14 +355,7 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
                 if tensor is None or tensor.is_output or not tensor.nbytes:
                     continue                  # graph outputs live to the end
             guards = [s for s in source.savers if position(s) >= act.save_end] if source is not None else []
-            if through:
-                passes_held = passes_held or bool(guards)
-                if arg.name not in recipe and arg not in visiting:
-                    heavy += arg_info.flops > 0
-                    if heavy > MAX_THROUGH_HEAVY_OPS:
-                        return None
-                visiting.append(arg)          # made again, a temporary of the recipe
-            elif guards and storage not in delivers and not (
+            if guards and not through and storage not in delivers and not (
                     deliverable(arg, storage) and heavy + (arg_info.flops > 0) <= MAX_CHAIN_HEAVY_OPS):
                 # a base: held by a kept saver until act's last use
                 if not any(s not in recomputable for s in guards):
@@ -371,10 +364,14 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
                     needs_kept.append(arg.name)   # its value is read from the outer graph
                 needs_unstashed.append(storage)
             else:
-                if guards and storage not in delivers:
+                if guards and through:
+                    passes_held = True        # held, but made again here as a temporary of the recipe
+                elif guards and storage not in delivers:
                     delivers.append(storage)  # held, but made again here and handed over
                 if arg.name not in recipe and arg not in visiting:
                     heavy += arg_info.flops > 0
+                    if through and heavy > MAX_THROUGH_HEAVY_OPS:
+                        return None
                 visiting.append(arg)          # made again too
     if (chain and not delivers) or (through and not passes_held):
         return None

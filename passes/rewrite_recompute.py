@@ -20,6 +20,17 @@ REGION_MEMBERS = "autorecompute_region"    # node.meta key of a region call: nam
 SOURCE = "autorecompute_source"            # node.meta key of a region output: the op it stands for
 
 
+def copy_replaying(graph: torch.fx.Graph, node: torch.fx.Node, arg_transform, recomputing) -> torch.fx.Node:
+    """``graph.node_copy(node, arg_transform)``, with BatchNorm run as ``batch_norm_once(recomputing, ...)``:
+    a region body (``recomputing`` its placeholder) and a rematerialization recipe (``True``) run it again
+    without updating its running statistics a second time."""
+    copied = graph.node_copy(node, arg_transform)
+    if node.target is BATCH_NORM:
+        copied.target = batch_norm_once
+        copied.args = (recomputing, *copied.args)
+    return copied
+
+
 def find_regions(graph: torch.fx.Graph, decisions: Mapping[str, str]) -> list[list[torch.fx.Node]]:
     """Maximal runs of nodes marked ``"recompute"`` in graph order (the plan's regions)."""
     from autorecompute.passes.build_problem import is_transparent
@@ -103,11 +114,7 @@ def _outline(gm: torch.fx.GraphModule, region: list[torch.fx.Node], name: str) -
         env[arg] = body.placeholder(arg.name)
         env[arg].meta = dict(arg.meta)
     for node in region:
-        copied = body.node_copy(node, lambda n: env[n])
-        if node.target is BATCH_NORM:
-            copied.target = batch_norm_once
-            copied.args = (recomputing, *copied.args)
-        env[node] = copied
+        env[node] = copy_replaying(body, node, env.__getitem__, recomputing)
     body.output(tuple(env[node] for node in outputs))
     body_module = torch.fx.GraphModule(torch.nn.Module(), body, class_name="RegionBody")
     device = _device_of(region)

@@ -34,8 +34,7 @@ import torch.fx
 
 from autorecompute.passes.build_problem import is_random
 from autorecompute.passes.profile import NodeInfo, step_profile
-from autorecompute.passes.rewrite_recompute import BATCH_NORM, REGION_MEMBERS, SOURCE
-from autorecompute.runtime.regions import batch_norm_once
+from autorecompute.passes.rewrite_recompute import BATCH_NORM, REGION_MEMBERS, SOURCE, copy_replaying
 from autorecompute.problem import GRADIENT
 from autorecompute.runtime.stash import (StashRuntime, stash_compress, stash_offload, stash_prefetch,
                                          stash_delivered, stash_gradient, stash_release, stash_rematerialize, stash_rng_state,
@@ -80,10 +79,8 @@ def _recipe_module(chain: list[torch.fx.Node], delivers: list[torch.fx.Node] = (
             if arg not in members and arg not in env:
                 env[arg] = graph.placeholder(f"base_{len(bases)}")
                 bases.append(arg)
-        env[node] = graph.node_copy(node, lambda a: env[a])
+        env[node] = copy_replaying(graph, node, env.__getitem__, True)
         if node.target is BATCH_NORM:
-            env[node].target = batch_norm_once
-            env[node].args = (True, *env[node].args)
             statistics.update(node.args[i] for i in _RUNNING_STATISTICS if i < len(node.args))
     graph.output((env[chain[-1]], *[env[node] for node in delivers]) if delivers else env[chain[-1]])
     unchecked = tuple(i for i, base in enumerate(bases) if base in statistics)
