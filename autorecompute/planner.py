@@ -22,6 +22,7 @@ from autorecompute.memory_model import (effective_stash, extra_cost, extra_flops
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import node_info, step_profile, profile_step
+from autorecompute.passes.rewrite_calls import rewrite_calls
 from autorecompute.passes.rewrite_recompute import rewrite_recompute
 from autorecompute.passes.rewrite_stash import rewrite_stash
 from autorecompute.passes.verify import fake_step_memory
@@ -299,6 +300,9 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
         num_forward=problem.num_forward, at_peak=_at_peak(problem, recompute, stash),
         stash=_stash_records(gm, problem, stash))
     log.debug("plan: %s", plan.summary())
+    # last, on the module that runs: each op called through eager's own binding where that dispatches the same
+    # ops (the same kernels and allocations as verified; a microsecond less per call)
+    rewrite_calls(module.graph_module if isinstance(module, StashedModule) else module)
     return Planned(plan=plan, module=module)
 
 

@@ -15,6 +15,7 @@ from autorecompute.passes.capture import is_mutating, written_in_place
 from autorecompute.passes.profile import META_KEY, NodeInfo, TensorInfo, node_info, step_profile
 from autorecompute.problem import GRADIENT, Activation, Problem, StashOption
 from autorecompute.runtime.codecs import codec
+from autorecompute.runtime.regions import BATCH_NORM
 from autorecompute.transfer import CPU_DISK, TransferModel
 
 LOSSY_COST = {"bfloat16": 1, "float16": 1, "float8": 2, "int8": 2}   # per byte compressed: prefer exact dtypes
@@ -49,7 +50,7 @@ def is_random(node: torch.fx.Node) -> bool:
 _UPDATES_STATE = {torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default}
 # of those, the ones a recipe runs again without the update (``runtime.regions.batch_norm_once``: in training
 # mode the output depends on the batch statistics alone)
-REPLAYABLE = {torch.ops.aten.batch_norm.default}
+REPLAYABLE = {BATCH_NORM}
 
 
 def updates_state(node: torch.fx.Node) -> bool:

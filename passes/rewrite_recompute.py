@@ -13,9 +13,8 @@ from typing import Mapping
 import torch
 import torch.fx
 
-from autorecompute.runtime.regions import CheckpointRegion, batch_norm_once
+from autorecompute.runtime.regions import BATCH_NORM, CheckpointRegion, batch_norm_once
 
-BATCH_NORM = torch.ops.aten.batch_norm.default
 REGION_MEMBERS = "autorecompute_region"    # node.meta key of a region call: names of the ops it runs
 SOURCE = "autorecompute_source"            # node.meta key of a region output: the op it stands for
 

@@ -34,8 +34,9 @@ import torch.fx
 
 from autorecompute.passes.build_problem import is_random
 from autorecompute.passes.profile import NodeInfo, step_profile
-from autorecompute.passes.rewrite_recompute import BATCH_NORM, REGION_MEMBERS, SOURCE, copy_replaying
+from autorecompute.passes.rewrite_recompute import REGION_MEMBERS, SOURCE, copy_replaying
 from autorecompute.problem import GRADIENT
+from autorecompute.runtime.regions import BATCH_NORM, RUNNING_STATISTICS
 from autorecompute.runtime.stash import (StashRuntime, stash_compress, stash_offload, stash_prefetch,
                                          stash_delivered, stash_gradient, stash_release, stash_rematerialize, stash_rng_state,
                                          stash_scope_begin,
@@ -61,9 +62,6 @@ def _info(node: torch.fx.Node) -> NodeInfo | None:
     return info if isinstance(info, NodeInfo) else None
 
 
-_RUNNING_STATISTICS = (3, 4)   # running_mean, running_var among aten.batch_norm's arguments
-
-
 def _recipe_module(chain: list[torch.fx.Node], delivers: list[torch.fx.Node] = ()
                    ) -> tuple[torch.fx.GraphModule, list[torch.fx.Node], tuple[int, ...]]:
     """The ops of a rematerialization recipe as a GraphModule over its bases (the inputs it reads that it
@@ -81,7 +79,7 @@ def _recipe_module(chain: list[torch.fx.Node], delivers: list[torch.fx.Node] = (
                 bases.append(arg)
         env[node] = copy_replaying(graph, node, env.__getitem__, True)
         if node.target is BATCH_NORM:
-            statistics.update(node.args[i] for i in _RUNNING_STATISTICS if i < len(node.args))
+            statistics.update(node.args[i] for i in RUNNING_STATISTICS if i < len(node.args))
     graph.output((env[chain[-1]], *[env[node] for node in delivers]) if delivers else env[chain[-1]])
     unchecked = tuple(i for i, base in enumerate(bases) if base in statistics)
     return torch.fx.GraphModule(torch.nn.Module(), graph), bases, unchecked

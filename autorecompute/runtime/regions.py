@@ -9,6 +9,12 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+# the state-updating op a recomputation runs again through ``batch_norm_once``, and the positions of the state
+# it updates among its arguments (running_mean, running_var: read off the schema)
+BATCH_NORM = torch.ops.aten.batch_norm.default
+RUNNING_STATISTICS = tuple(i for i, argument in enumerate(BATCH_NORM._schema.arguments)
+                           if argument.name.startswith("running_"))
+
 
 class CheckpointRegion(torch.nn.Module):
     """Runs ``body(recomputing, *inputs)`` under non-reentrant activation checkpointing.
@@ -53,5 +59,4 @@ def batch_norm_once(recomputing: bool, input, weight, bias, running_mean, runnin
     """
     if recomputing and training and running_mean is not None:
         running_mean, running_var = running_mean.clone(), running_var.clone()
-    return torch.ops.aten.batch_norm.default(input, weight, bias, running_mean, running_var, training,
-                                             momentum, eps, cudnn_enabled)
+    return BATCH_NORM(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
