@@ -91,15 +91,28 @@ def default_for(device_type: str) -> TransferModel:
     return CUDA_HOST if device_type in ("cuda", "meta") else CPU_DISK
 
 
+MEASURE_CACHE_FORMAT = 2     # the layout of measure()'s cache file (1: the bare TransferModel fields)
+
+
 def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | None = None) -> TransferModel:
     """Times this machine's disk tier and a CPU matmul once, caching the result in ``cache`` (default
-    ``~/.cache/autorecompute/transfer.json``). Pass the result as ``compile(..., transfer=...)``."""
+    ``~/.cache/autorecompute/transfer.json``). Pass the result as ``compile(..., transfer=...)``.
+
+    The cache holds what it was measured for (this format, the torch version, the directory's disk): a cache
+    from another version, another directory or an older format is measured again, not misread."""
     import torch
 
     cache = cache or os.path.join(os.path.expanduser("~"), ".cache", "autorecompute", "transfer.json")
+    measured_for = {"format": MEASURE_CACHE_FORMAT, "torch": torch.__version__,
+                    "directory": os.path.abspath(directory or tempfile.gettempdir())}
     if os.path.exists(cache):
-        with open(cache) as f:
-            return TransferModel(**json.load(f))
+        try:
+            with open(cache) as f:
+                saved = json.load(f)
+            if saved.get("measured_for") == measured_for:
+                return TransferModel(**saved["model"])
+        except (ValueError, TypeError, KeyError, AttributeError):
+            pass         # unreadable or another format: measure again
     data = torch.randn(nbytes // 4)
     target = torch.empty_like(data)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -113,6 +126,7 @@ def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | N
             f.readinto(memoryview(target.view(torch.uint8).numpy()))
         read = time.perf_counter() - started
     a = torch.randn(1024, 1024)
+    a @ a                # the first call pays for the kernel's setup, not the FLOPs
     started = time.perf_counter()
     for _ in range(8):
         a @ a
@@ -127,5 +141,5 @@ def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | N
                           stash_seconds=CPU_DISK.stash_seconds / scale)
     os.makedirs(os.path.dirname(cache), exist_ok=True)
     with open(cache, "w") as f:
-        json.dump(asdict(model), f)
+        json.dump({"measured_for": measured_for, "model": asdict(model)}, f)
     return model
