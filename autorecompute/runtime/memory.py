@@ -123,14 +123,28 @@ class StepMemory:
 
 
 def output_tensors_for_backward(outputs: Any) -> list[torch.Tensor]:
-    """Floating-point outputs that require grad: what a loss would be built from."""
+    """The outputs backward starts from: the model's own loss when it returns one — its differentiable
+    one-element outputs (a Hugging Face model called with ``labels`` returns the loss beside the logits, and
+    ``outputs.loss.backward()`` never makes a gradient of the logits' size) — else every differentiable
+    floating-point output, which a loss computed outside the model would reach.
+
+    Example:
+        >>> logits = torch.randn(2, 3, requires_grad=True)
+        >>> [t.shape for t in output_tensors_for_backward({"logits": logits})]
+        [torch.Size([2, 3])]
+        >>> [t.shape for t in output_tensors_for_backward({"loss": logits.sum(), "logits": logits})]
+        [torch.Size([])]
+    """
     flat, _ = tree_flatten(outputs)
-    return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    differentiable = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    losses = [t for t in differentiable if t.numel() == 1]
+    return losses or differentiable
 
 
 def run_step(module: Callable, args: tuple, kwargs: dict) -> Any:
-    """One training step as the planner models it: forward, then backward with a dense unit gradient on
-    every differentiable output (the gradient a loss hands back). Returns the outputs."""
+    """One training step as the planner models it: forward, then backward with a unit gradient on the
+    model's loss if it returns one, else a dense unit gradient on every differentiable output (the gradient
+    a loss computed outside hands back; :func:`output_tensors_for_backward`). Returns the outputs."""
     outputs = module(*args, **kwargs)
     tensors = output_tensors_for_backward(outputs)
     if tensors:
