@@ -225,8 +225,9 @@ def write_markdown(rows, summaries, seconds: float, quick: bool, path: Path) -> 
             "interleaved runs in one process. Raw rows: `benchmarks/results/results.{json,csv}`.", "",
             "√N is the issue's naive √N: `checkpoint_sequential` over the top-level blocks for sequential "
             "models (gpt, mlp, resnet, vgg; where it cannot run — VGG's in-place ReLU at a segment boundary — "
-            "the articulation-point variant), √N segments over the graph's articulation points for the others. "
-            "The articulation-point variant on a sequential model is a stronger baseline of ours (nearly "
+            "the articulation-point variant), √N segments over the graph's articulation points for the others "
+            "(our captured graph, rewritten like our plans and calling eager's bindings as they do, so the two "
+            "differ only in what they recompute). The articulation-point variant on a sequential model is a stronger baseline of ours (nearly "
             "per-block checkpointing); figures against it are given in brackets. autorecompute plans with "
             "`objective=\"time\"` (the default: FLOPs, memory-bound bytes, random numbers and calls at the "
             "device's measured speeds) unless a row says *least FLOPs* (`objective=\"flops\"`): goals 1 and 3 "

@@ -34,6 +34,7 @@ from autorecompute.budget import format_bytes  # noqa: E402
 from autorecompute.passes.build_problem import build_problem  # noqa: E402
 from autorecompute.passes.capture import capture  # noqa: E402
 from autorecompute.passes.profile import profile_step  # noqa: E402
+from autorecompute.passes.rewrite_calls import rewrite_calls  # noqa: E402
 from autorecompute.passes.rewrite_recompute import rewrite_recompute  # noqa: E402
 from autorecompute.passes.verify import fake_step_memory  # noqa: E402
 from autorecompute.planner import _decisions, clone_graph_module  # noqa: E402
@@ -115,10 +116,12 @@ def scaled(case, k: int):
 
 
 def sqrt_n_module(case):
+    """√N segments over the graph's articulation points, run as our plans run (calls through eager's
+    bindings, as eager code makes them): the two differ only in where they recompute."""
     gm = capture(case.model, case.args, case.kwargs)
     profile_step(gm, case.args, case.kwargs)
     problem = build_problem(gm)
-    return rewrite_recompute(clone_graph_module(gm), _decisions(problem, sqrt_n_plan(problem)))
+    return rewrite_calls(rewrite_recompute(clone_graph_module(gm), _decisions(problem, sqrt_n_plan(problem))))
 
 
 def minimum_peak(case, limit: float, actions: tuple[str, ...] = RECOMPUTE) -> int:

@@ -6,12 +6,12 @@ schema-driven argument conversion costs about a microsecond more per call than t
 step: the GPT benchmark's forward ran 1.05× eager's with overloads, 1.00× with bindings.
 
 A binding picks its overload from the Python types of its arguments, so one is used only where it provably
-reaches the same kernels: called once on meta tensors shaped like the node's inputs, beside the overload, under
-a dispatch mode that records every op dispatched; the two records and the kinds of the results must be equal
-(for a composite op: the same decomposition). Anything else keeps its ``OpOverload``: ops outside ``aten``, a
-binding that resolves to another overload (``aten.add.Scalar``: ``torch.add`` dispatches ``add.Tensor``), a
-binding FX would print under another object's name (``torch.split`` is a Python wrapper of the binding), inputs
-without recorded shapes. Decides nothing about the plan: run last, on the module that will execute it.
+calls the same one: traced once before any decomposition (``make_fx(pre_dispatch=True)``) on meta tensors
+shaped like the node's inputs, it must reach exactly the node's overload, and return results of the same
+structure and layout. Anything else keeps its ``OpOverload``: ops outside ``aten``, a binding that resolves
+to another overload (``aten.add.Scalar``: ``torch.add`` calls ``add.Tensor``), a binding FX would print under
+another object's name (``torch.split`` is a Python wrapper of the binding), inputs without recorded shapes.
+Decides nothing about the plan: run last, on the module that will execute it.
 
 Example:
     >>> import torch
@@ -23,17 +23,21 @@ Example:
 from __future__ import annotations
 
 import importlib
+import operator
 from typing import Any, Callable
 
 import torch
 import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.graph import _is_from_torch
 from torch.fx.node import _get_qualified_name
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-# where eager PyTorch's bindings of aten ops live, in the order tried (methods last: ``Tensor.view``)
+from autorecompute.runtime.tensor_methods import method
+
+# where eager PyTorch's bindings of aten ops live, in the order tried; then the tensor methods
 BINDING_NAMESPACES = (torch._C._VariableFunctions, torch._C._nn, torch._C._linalg, torch._C._special,
-                      torch._C._fft, torch._C.TensorBase)
+                      torch._C._fft)
 
 _checked: dict[tuple, Callable | None] = {}      # (overload, argument kinds) → binding, or None: keep it
 
@@ -42,21 +46,10 @@ class _NoExample(Exception):
     """A node's input has no recorded value to make a meta tensor from."""
 
 
-class _RecordDispatch(TorchDispatchMode):
-    """Records each op dispatched, with its inputs' shapes and dtypes and its other arguments."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.calls.append((func, _described((args, kwargs))))
-        return func(*args, **kwargs)
-
-
 def _described(tree) -> Any:
-    return tree_map(lambda v: ("tensor", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v, tree)
+    """``tree`` with each tensor replaced by its layout: what two calls' results must agree on."""
+    return tree_map(lambda v: ("tensor", tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor)
+                    else v, tree)
 
 
 def _kinds(tree) -> Any:
@@ -82,15 +75,20 @@ def _example(value: Any) -> Any:
 
 
 def _meta_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's arguments with meta tensors for its inputs and the meta device for any device: the check
+    allocates nothing and draws no random numbers on the real device (a factory op names its device)."""
     def example(node: torch.fx.Node) -> Any:
         if "val" not in node.meta:
             raise _NoExample(node.name)
         return _example(node.meta["val"])
-    return torch.fx.node.map_arg((args, kwargs), example)
+    arguments = torch.fx.node.map_arg((args, kwargs), example)
+    return tree_map(lambda v: torch.device("meta") if isinstance(v, torch.device) else v, arguments)
 
 
 def _printed_as_itself(binding: Callable) -> bool:
-    """Whether the generated code names ``binding`` itself (FX prints torch objects by qualified name)."""
+    """Whether the generated code names ``binding`` itself: FX prints a torch object by its qualified name
+    (``torch.split`` would be the Python wrapper, not the binding); anything else becomes a global that a
+    pickled module imports by module and name, which a method of the C tensor type does not have."""
     try:
         module, *path = _get_qualified_name(binding).split(".")
         found = importlib.import_module(module)
@@ -98,48 +96,68 @@ def _printed_as_itself(binding: Callable) -> bool:
             found = getattr(found, part)
     except Exception:
         return False
-    return found is binding
+    return found is binding and _is_from_torch(binding)
 
 
 def _candidates(overload: torch._ops.OpOverload) -> list[Callable]:
     namespace, _, name = overload._schema.name.partition("::")
     if namespace != "aten":
         return []
-    found = (getattr(space, name, None) for space in BINDING_NAMESPACES)
-    return [binding for binding in found if callable(binding) and _printed_as_itself(binding)]
+    found = [getattr(space, name, None) for space in BINDING_NAMESPACES]
+    bindings = [binding for binding in found if callable(binding) and _printed_as_itself(binding)]
+    # a method-only op (view, expand) through a function that calls the method: importable by name
+    return bindings + ([method(name)] if method(name) is not None else [])
 
 
-def _same_dispatch(overload: torch._ops.OpOverload, binding: Callable, args: tuple, kwargs: dict) -> bool:
-    records, results = [], []
-    for call in (overload, binding):
-        with _RecordDispatch() as record:
-            results.append(call(*args, **kwargs))
-        records.append(record.calls)
-    kinds = [tuple(type(v) for v in tree_flatten(r)[0]) + (type(r),) for r in results]
-    return records[0] == records[1] and kinds[0] == kinds[1]
+def _overloads_called(call: Callable, args: tuple, kwargs: dict) -> list:
+    """The ops ``call(*args, **kwargs)`` reaches first, traced before any decomposition (pre-dispatch: a
+    composite op such as ``linear`` is recorded as itself, not as the matmul it runs)."""
+    flat, spec = tree_flatten((args, kwargs))
+    tensor_at = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+
+    def with_tensors(*tensors):
+        values = list(flat)
+        for i, t in zip(tensor_at, tensors):
+            values[i] = t
+        call_args, call_kwargs = tree_unflatten(values, spec)
+        return call(*call_args, **call_kwargs)
+
+    traced = make_fx(with_tensors, pre_dispatch=True)(*[flat[i] for i in tensor_at])
+    return [n.target for n in traced.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+
+
+def _same_call(overload: torch._ops.OpOverload, binding: Callable, args: tuple, kwargs: dict) -> bool:
+    """``binding`` reaches exactly ``overload`` on these arguments and returns the same structure."""
+    if _overloads_called(binding, args, kwargs) != [overload]:
+        return False
+    results = [call(*args, **kwargs) for call in (overload, binding)]
+    described = [(type(r), _described(r)) for r in results]
+    return described[0] == described[1]
 
 
 def binding_for(overload: Any, args: tuple, kwargs: dict) -> Callable | None:
-    """The Python binding that dispatches exactly as ``overload(*args, **kwargs)`` (fx nodes with recorded
-    values as arguments), or None."""
+    """The Python binding that calls exactly ``overload`` with these arguments (fx nodes with recorded
+    values), or None. Checked once per overload and argument kinds: the kinds are what a binding's argument
+    parser resolves an overload from."""
     if not isinstance(overload, torch._ops.OpOverload):
         return None
     key = (overload, _kinds(args), _kinds(kwargs))
-    if key not in _checked:
-        _checked[key] = None
+    if key in _checked:
+        return _checked[key]
+    try:
+        meta_args, meta_kwargs = _meta_arguments(args, kwargs)
+    except _NoExample:
+        return None              # unknown, not cached: another node with the same kinds may have recorded values
+    found = None
+    for binding in _candidates(overload):
         try:
-            meta_args, meta_kwargs = _meta_arguments(args, kwargs)
-        except _NoExample:
-            del _checked[key]        # another node with the same kinds may have recorded values
-            return None
-        for binding in _candidates(overload):
-            try:
-                if _same_dispatch(overload, binding, meta_args, meta_kwargs):
-                    _checked[key] = binding
-                    break
-            except Exception:        # the binding rejects these arguments: try the next, else keep the overload
-                continue
-    return _checked[key]
+            if _same_call(overload, binding, meta_args, meta_kwargs):
+                found = binding
+                break
+        except Exception:        # the binding rejects these arguments: try the next, else keep the overload
+            continue
+    _checked[key] = found        # one assignment: threads planning at once write the same answer
+    return found
 
 
 def rewrite_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -153,7 +171,10 @@ def rewrite_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         for node in module.graph.nodes:
             if node.op != "call_function":
                 continue
-            binding = binding_for(node.target, node.args, node.kwargs)
+            try:
+                binding = binding_for(node.target, node.args, node.kwargs)
+            except Exception:        # an unforeseen value in the node's record: the overload it has runs fine
+                binding = None
             if binding is not None:
                 node.target = binding
                 changed = True

@@ -164,3 +164,33 @@ def test_a_model_that_returns_its_loss_is_planned_for_loss_backward_alone():
     peak, grads = loss_step(compiled)
     assert peak <= compiled.plan.budget
     assert all(torch.equal(eager_grads[n], grads[n]) for n in eager_grads)
+
+
+class WithAuxiliaryLoss(torch.nn.Module):
+    """Logits and an auxiliary scalar (a router's balancing loss): the user's loss combines both."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(32, 64), torch.nn.Linear(64, 512)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return {"aux_loss": h.pow(2).mean(), "logits": self.head(h)}
+
+
+def test_an_auxiliary_scalar_is_not_taken_for_the_loss():
+    """Only ``outputs["loss"]`` is the model's own loss: beside ``aux_loss`` the logits still get a gradient
+    (from the loss computed outside), and the plan counts it."""
+    from autorecompute.runtime.memory import LiveStorageTracker, tensor_bytes
+
+    model, x = WithAuxiliaryLoss(), torch.randn(256, 32)
+    resident = tensor_bytes([*model.parameters(), x])
+    tracker = LiveStorageTracker()
+    with tracker:
+        out = model(x)
+        torch.autograd.backward([out["aux_loss"], out["logits"]],
+                                [torch.ones_like(out["aux_loss"]), torch.ones_like(out["logits"])])
+        del out
+    model.zero_grad(set_to_none=True)
+    plan = autorecompute.plan(model, x, budget=1.0, solver_time_limit=SOLVER_TIME)
+    assert plan.baseline_peak == resident + tracker.peak

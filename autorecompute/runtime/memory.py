@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -123,10 +123,11 @@ class StepMemory:
 
 
 def output_tensors_for_backward(outputs: Any) -> list[torch.Tensor]:
-    """The outputs backward starts from: the model's own loss when it returns one — its differentiable
-    one-element outputs (a Hugging Face model called with ``labels`` returns the loss beside the logits, and
+    """The outputs backward starts from: the model's own loss when it returns one — a scalar that requires
+    grad under the key ``"loss"`` of a dict-like output (a Hugging Face model called with ``labels``, whose
     ``outputs.loss.backward()`` never makes a gradient of the logits' size) — else every differentiable
-    floating-point output, which a loss computed outside the model would reach.
+    floating-point output, which a loss computed outside the model would reach (an auxiliary loss beside
+    the logits, a one-element prediction: all of them).
 
     Example:
         >>> logits = torch.randn(2, 3, requires_grad=True)
@@ -134,11 +135,18 @@ def output_tensors_for_backward(outputs: Any) -> list[torch.Tensor]:
         [torch.Size([2, 3])]
         >>> [t.shape for t in output_tensors_for_backward({"loss": logits.sum(), "logits": logits})]
         [torch.Size([])]
+        >>> [t.shape for t in output_tensors_for_backward({"aux_loss": logits.sum(), "logits": logits})]
+        [torch.Size([]), torch.Size([2, 3])]
     """
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
+    if _differentiable(loss) and loss.dim() == 0:
+        return [loss]
     flat, _ = tree_flatten(outputs)
-    differentiable = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
-    losses = [t for t in differentiable if t.numel() == 1]
-    return losses or differentiable
+    return [t for t in flat if _differentiable(t)]
+
+
+def _differentiable(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point()
 
 
 def run_step(module: Callable, args: tuple, kwargs: dict) -> Any:
