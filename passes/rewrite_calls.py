@@ -22,8 +22,8 @@ Example:
 """
 from __future__ import annotations
 
-import importlib
 import operator
+import pydoc
 from typing import Any, Callable
 
 import torch
@@ -90,13 +90,10 @@ def _printed_as_itself(binding: Callable) -> bool:
     (``torch.split`` would be the Python wrapper, not the binding); anything else becomes a global that a
     pickled module imports by module and name, which a method of the C tensor type does not have."""
     try:
-        module, *path = _get_qualified_name(binding).split(".")
-        found = importlib.import_module(module)
-        for part in path:
-            found = getattr(found, part)
+        printed = _get_qualified_name(binding)
     except Exception:
         return False
-    return found is binding and _is_from_torch(binding)
+    return _is_from_torch(binding) and pydoc.locate(printed) is binding
 
 
 def _candidates(overload: torch._ops.OpOverload) -> list[Callable]:
@@ -106,7 +103,8 @@ def _candidates(overload: torch._ops.OpOverload) -> list[Callable]:
     found = [getattr(space, name, None) for space in BINDING_NAMESPACES]
     bindings = [binding for binding in found if callable(binding) and _printed_as_itself(binding)]
     # a method-only op (view, expand) through a function that calls the method: importable by name
-    return bindings + ([method(name)] if method(name) is not None else [])
+    calling_method = method(name)
+    return bindings + ([calling_method] if calling_method is not None else [])
 
 
 def _overloads_called(call: Callable, args: tuple, kwargs: dict) -> list:

@@ -6,7 +6,9 @@ import torch
 import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+import autorecompute
 import models
+from conftest import SOLVER_TIME
 from autorecompute.passes import rewrite_calls as rewrite_calls_pass
 from autorecompute.passes.rewrite_calls import binding_for, rewrite_calls
 from autorecompute.runtime import tensor_methods
@@ -96,19 +98,12 @@ def test_the_binding_must_reach_the_same_overload():
 def test_compiled_modules_call_bindings_in_regions_and_recipes_with_eager_gradients():
     case = models.gpt()
     eager = measured_step(case.model, case.model, case.args, case.kwargs, seed=1)
-    compiled = autorecompute_compile(case, budget=0.6)
-    gm = compiled._last.graph_module
+    compiled = autorecompute.compile(case.model, budget=0.6, solver_time_limit=SOLVER_TIME)
+    compiled.prepare(*case.args, **case.kwargs)
+    gm = compiled.graph_module
     bodies = [m for name, m in gm.named_modules() if isinstance(m, torch.fx.GraphModule) and name]
     assert bodies, "a budget of 60% recomputes: the plan has regions or recipes"
     for module in [gm, *bodies]:
         overloads = [t for t in targets(module) if isinstance(t, torch._ops.OpOverload)]
         assert all(t is aten.split.Tensor for t in overloads), overloads
     assert_bitwise_equal(eager, measured_step(compiled, case.model, case.args, case.kwargs, seed=1))
-
-
-def autorecompute_compile(case, budget):
-    import autorecompute
-
-    compiled = autorecompute.compile(case.model, budget=budget, solver_time_limit=2)
-    compiled.prepare(*case.args, **case.kwargs)
-    return compiled
