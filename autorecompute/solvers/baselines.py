@@ -29,9 +29,11 @@ def articulation_ops(problem: Problem) -> list[str]:
     return [op for op in problem.chain if op in cut and op in problem.recomputable]
 
 
-def sqrt_n_plan(problem: Problem, segments: int | None = None) -> dict[str, bool]:
-    """Recompute everything except round(√N) checkpoints at articulation points (N = their number)."""
-    boundaries = articulation_ops(problem)
+def sqrt_n_plan(problem: Problem, segments: int | None = None,
+                boundaries: list[str] | None = None) -> dict[str, bool]:
+    """Recompute everything except round(√N) checkpoints (``segments`` if given) at articulation points (N =
+    their number; ``boundaries``: :func:`articulation_ops`, when already computed)."""
+    boundaries = articulation_ops(problem) if boundaries is None else boundaries
     if not boundaries:
         return {op: False for op in problem.recomputable}
     segments = segments or max(1, round(math.sqrt(len(boundaries))))
