@@ -1,6 +1,7 @@
 """Public entry points: :func:`compile` and :func:`plan`."""
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import Any
@@ -59,6 +60,22 @@ class CompiledModule(torch.nn.Module):
         self.__dict__["_plans"] = {}
         self.__dict__["_last"] = None
         self.training = model.training
+
+    def __deepcopy__(self, memo: dict) -> "CompiledModule":
+        # plans and all: the copy's rewritten modules use the copy's parameters (the memo maps them)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            copied.__dict__[name] = copy.deepcopy(value, memo)
+        return copied
+
+    def __getstate__(self) -> dict:
+        # pickle / torch.save: the model and the settings; plans are this process's cache (rewritten graph
+        # modules, offload tiers), made again — the same plans, the planner is deterministic — on the first
+        # training call after loading
+        state = dict(self.__dict__)
+        state.update(_plans={}, _last=None)
+        return state
 
     @property
     def model(self) -> torch.nn.Module:

@@ -135,3 +135,40 @@ def test_a_weak_first_minimum_does_not_make_a_feasible_budget_infeasible(monkeyp
     result = measured_step(compiled, case.model, case.args, case.kwargs)
     assert compiled.plan.minimum_peak < budget
     assert result.peak <= budget
+
+
+@pytest.mark.parametrize("copy_of", ["deepcopy", "pickle", "torch.save"])
+def test_a_compiled_module_with_offload_copies_and_saves(copy_of, tmp_path):
+    """``copy.deepcopy`` (an EMA or teacher copy), ``pickle`` and ``torch.save`` of a compiled module whose plan
+    offloads: the copy trains its own parameters with the same plan and eager's gradients. (A deepcopy keeps
+    the plans; a loaded copy plans again on its first training call.) The offload runtime held a thread-local
+    and the copy failed with "cannot pickle '_thread._local' object"."""
+    import copy
+    import io
+    import pickle
+
+    case = models.make("mlp")
+    model = case.model
+    eager = measured_step(model, model, case.args, case.kwargs, seed=1)
+    for p in model.parameters():
+        p.grad = None         # planned as a copy plans: no gradient on the device yet
+    compiled = autorecompute.compile(model, budget=0.3, offload_dir=str(tmp_path), solver_time_limit=SOLVER_TIME)
+    compiled.prepare(*case.args, **case.kwargs)
+    assert any(record.action.startswith("offload") for record in compiled.plan.stash.values())
+
+    def saved_and_loaded(module):
+        buffer = io.BytesIO()
+        torch.save(module, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    copied = {"deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m)),
+              "torch.save": saved_and_loaded}[copy_of](compiled)
+    assert all(a is not b for a, b in zip(copied.parameters(), model.parameters()))
+    assert all(a is b for a, b in zip(copied.parameters(), copied.model.parameters()))
+    step = measured_step(copied, copied.model, case.args, case.kwargs, seed=1)
+    assert copied.plan.decisions == compiled.plan.decisions
+    assert {n: r.action for n, r in copied.plan.stash.items()} == {n: r.action for n, r in compiled.plan.stash.items()}
+    assert step.peak <= compiled.plan.budget
+    assert all(torch.equal(step.grads[n], g) for n, g in eager.grads.items())
+    assert step.grads.keys() == eager.grads.keys()

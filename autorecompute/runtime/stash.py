@@ -282,11 +282,27 @@ class StashRuntime(torch.nn.Module):
         if offload_dir is not None:
             check_writable(offload_dir)
         self.offload_dir, self.pinned_bytes = offload_dir, pinned_bytes
+        self._start_fresh()
+
+    _PER_PROCESS = ("_tiers", "_local", "_gradients", "_hooked", "_offloaded")
+
+    def _start_fresh(self) -> None:
+        """The state that lives in this process only: tiers (files, threads, pinned memory), the step's hook
+        state, the hooks on parameters and the gradients out until backward ends."""
         self._tiers: dict[str, object] = {}
         self._local = threading.local()
         self._gradients = WeakIdKeyDictionary()     # parameter → name: gradients to offload in this backward
         self._hooked = WeakIdKeyDictionary()        # parameters that carry our post-accumulate hook
         self._offloaded: list[tuple] = []                                          # gradients out until backward ends
+
+    def __getstate__(self):
+        # a copy (``copy.deepcopy``, ``pickle``, ``torch.save``) carries the settings, not this process's tiers
+        # and hooks: it starts fresh, as a new runtime would, and opens its own tiers when it first offloads
+        return {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._start_fresh()
 
     # parameter gradients -----------------------------------------------------------------------------
     def offload_gradient(self, param: torch.Tensor, name: str) -> None:
