@@ -65,16 +65,17 @@ class CompiledModule(torch.nn.Module):
         # plans and all: the copy's rewritten modules use the copy's parameters (the memo maps them)
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
-        for name, value in self.__dict__.items():
+        for name, value in self.__getstate__(keep_plans=True).items():
             copied.__dict__[name] = copy.deepcopy(value, memo)
         return copied
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self, keep_plans: bool = False) -> dict:
         # pickle / torch.save: the model and the settings; plans are this process's cache (rewritten graph
         # modules, offload tiers), made again — the same plans, the planner is deterministic — on the first
-        # training call after loading
-        state = dict(self.__dict__)
-        state.update(_plans={}, _last=None)
+        # training call after loading. nn.Module's own state first (it drops what Module.compile() bound)
+        state = super().__getstate__()
+        if not keep_plans:
+            state.update(_plans={}, _last=None)
         return state
 
     @property

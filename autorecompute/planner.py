@@ -181,6 +181,9 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     # every minimum-peak plan verified so far, (module, verified peak, decisions): a later one can be lower in
     # the model and higher when measured, so the fallback is the lowest measured, not the latest
     verified_minimum: list[tuple[torch.nn.Module, int, Decisions]] = []
+    # minimum-peak plans a lower one (in the model) replaced before they were verified: verified with it, so
+    # the start — √N's over articulation points among them — is a fallback when the model is optimistic
+    replaced_unverified: list[Decisions] = []
 
     def lower_minimum(time_limit: float) -> None:
         """Asks CP-SAT for a lower minimum-peak plan than the best so far (which hints it)."""
@@ -189,6 +192,8 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
                              hint=decisions[0], hint_stash=decisions[1], progress=progress)
         lowest["time"] += solved.wall_time
         if solved.recompute is not None and solved.objective <= lowest["peak"]:
+            if not lowest["verified"]:
+                replaced_unverified.append(lowest["decisions"])
             lowest.update(decisions=(solved.recompute, effective_stash(problem, solved.recompute, solved.stash)),
                           peak=solved.objective, status=solved.status, gap=solved.gap)
             lowest["verified"] = False
@@ -201,10 +206,12 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     def minimum() -> tuple[torch.nn.Module, int, Decisions]:
         """The lowest measured minimum-peak plan; the latest one is verified once, when a decision needs it."""
         if not lowest["verified"]:
-            decisions = lowest["decisions"]
-            module, peak = verify(decisions) if predicted_peak(problem, *decisions) < baseline_peak else (gm, baseline_peak)
-            verified_minimum.append((module, peak, decisions) if peak < baseline_peak else
-                                    (gm, baseline_peak, _keep_all(problem)))
+            for decisions in [*replaced_unverified, lowest["decisions"]]:
+                module, peak = verify(decisions) if predicted_peak(problem, *decisions) < baseline_peak \
+                    else (gm, baseline_peak)
+                verified_minimum.append((module, peak, decisions) if peak < baseline_peak else
+                                        (gm, baseline_peak, _keep_all(problem)))
+            replaced_unverified.clear()
             lowest["verified"] = True
         return min(verified_minimum, key=lambda entry: entry[1])
 

@@ -153,8 +153,9 @@ def test_a_compiled_module_with_offload_copies_and_saves(copy_of, tmp_path):
     for p in model.parameters():
         p.grad = None         # planned as a copy plans: no gradient on the device yet
     compiled = autorecompute.compile(model, budget=0.3, offload_dir=str(tmp_path), solver_time_limit=SOLVER_TIME)
-    compiled.prepare(*case.args, **case.kwargs)
+    before = measured_step(compiled, model, case.args, case.kwargs, seed=1)   # tiers open, hooks on parameters
     assert any(record.action.startswith("offload") for record in compiled.plan.stash.values())
+    assert any(name.startswith("grad:") for name in compiled.plan.stash)       # gradients offloaded too
 
     def saved_and_loaded(module):
         buffer = io.BytesIO()
@@ -164,6 +165,7 @@ def test_a_compiled_module_with_offload_copies_and_saves(copy_of, tmp_path):
 
     copied = {"deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m)),
               "torch.save": saved_and_loaded}[copy_of](compiled)
+    assert (copied.plan is not None) == (copy_of == "deepcopy")     # a deepcopy keeps the plans
     assert all(a is not b for a, b in zip(copied.parameters(), model.parameters()))
     assert all(a is b for a, b in zip(copied.parameters(), copied.model.parameters()))
     step = measured_step(copied, copied.model, case.args, case.kwargs, seed=1)
@@ -172,3 +174,5 @@ def test_a_compiled_module_with_offload_copies_and_saves(copy_of, tmp_path):
     assert step.peak <= compiled.plan.budget
     assert all(torch.equal(step.grads[n], g) for n, g in eager.grads.items())
     assert step.grads.keys() == eager.grads.keys()
+    again = measured_step(compiled, model, case.args, case.kwargs, seed=1)       # the original is untouched
+    assert again.peak == before.peak and all(torch.equal(again.grads[n], g) for n, g in eager.grads.items())

@@ -298,7 +298,7 @@ class StashRuntime(torch.nn.Module):
     def __getstate__(self):
         # a copy (``copy.deepcopy``, ``pickle``, ``torch.save``) carries the settings, not this process's tiers
         # and hooks: it starts fresh, as a new runtime would, and opens its own tiers when it first offloads
-        return {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}
+        return {k: v for k, v in super().__getstate__().items() if k not in self._PER_PROCESS}
 
     def __setstate__(self, state):
         super().__setstate__(state)

@@ -123,8 +123,6 @@ def span_plans(problem: Problem, max_cuts: int = 24, max_segments: int = 3) -> l
     return plans
 
 
-
-
 def candidates(problem: Problem, max_segments: int = 64) -> list[Decisions]:
     keep_all = {op: False for op in problem.recomputable}
     n = max(1, min(max_segments, len(problem.recomputable)))
