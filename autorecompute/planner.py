@@ -172,9 +172,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
 
     # 1. The lowest peak reachable: the minimum budget, the fallback, and the hint of the cost solve.
     t = time.perf_counter()
-    # the segment plans' lowest, or naive √N's over articulation points where that is lower (ties: segments)
-    heuristic = min(greedy.lowest_peak(problem), greedy.lowest_at_articulation_points(problem),
-                    key=lambda d: (predicted_peak(problem, *d), extra_cost(problem, *d)))
+    heuristic = greedy.lowest_start(problem)
     progress = sys.stderr.isatty()    # a live status line for people, nothing in logs and pipes
     lowest = {"decisions": heuristic, "peak": predicted_peak(problem, *heuristic), "status": "heuristic",
               "gap": 1.0, "time": 0.0, "verified": False}

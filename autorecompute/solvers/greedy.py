@@ -155,17 +155,18 @@ def lowest_peak(problem: Problem) -> Decisions:
     return min(scored_candidates(problem), key=lambda s: (s[1], s[2]))[0]
 
 
-def lowest_at_articulation_points(problem: Problem, max_segments: int = 64) -> Decisions:
-    """The √N plan over articulation points (:func:`baselines.sqrt_n_plan`) with the lowest predicted peak,
-    over every number of checkpoints (then least cost). A checkpoint there is the one tensor everything after
-    it depends on, where one placed by bytes alone (:func:`segment_plan`) can leave a region's other inputs
-    held: Llama trained on its loss reaches 3.41 MB this way and 3.67 MB at the best byte-placed plan. The
-    planner starts from the lower of the two, so no budget naive √N meets is refused."""
+def lowest_start(problem: Problem) -> Decisions:
+    """The minimum-peak search's start: :func:`lowest_peak`, or naive √N over articulation points
+    (:func:`baselines.sqrt_n_plan`, every number of checkpoints) where that is lower in the model (ties: the
+    segment plan). A checkpoint at an articulation point is the one tensor everything after it depends on,
+    where one placed by bytes alone (:func:`segment_plan`) can leave a region's other inputs held: Llama trained
+    on its loss reaches 3.41 MB this way and 3.67 MB at the best byte-placed plan, so no budget naive √N meets
+    is refused. Only the start: as candidates of every search they moved CP-SAT's later stages elsewhere."""
     from autorecompute.solvers.baselines import articulation_ops, sqrt_n_plan
 
     cuts = articulation_ops(problem)
-    plans = [sqrt_n_plan(problem, k, cuts) for k in range(1, min(max_segments, len(cuts)) + 1)]
-    return min((({op: False for op in problem.recomputable}, {}), *((plan, {}) for plan in plans)),
+    articulated = [(sqrt_n_plan(problem, k, cuts), {}) for k in range(1, min(64, len(cuts)) + 1)]
+    return min((lowest_peak(problem), *articulated),
                key=lambda d: (predicted_peak(problem, *d), extra_cost(problem, *d)))
 
 
