@@ -157,3 +157,18 @@ def test_segment_heuristic_fits_what_it_claims():
         plan = greedy.cheapest_under(p, budget)
         assert plan is not None and predicted_peak(p, *plan) <= budget
         assert predicted_peak(p, *greedy.descend(p, budget, plan)) <= budget
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_problems(), st.data())
+def test_local_search_ends_where_no_single_change_lowers_the_peak(problem, data):
+    """From any plan, ``greedy.lower_peak`` returns one no higher, where toggling any one op does not
+    lower the peak (its stopping rule; ties are broken by how many positions sit at the peak)."""
+    assignments = list(all_assignments(problem))
+    start = data.draw(st.sampled_from(assignments))
+    found, _ = greedy.lower_peak(problem, (start, {}))
+    peak = predicted_peak(problem, found)
+    assert peak <= predicted_peak(problem, start)
+    for op in problem.recomputable:
+        toggled = {**found, op: not found.get(op, False)}
+        assert predicted_peak(problem, toggled) >= peak

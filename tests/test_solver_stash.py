@@ -185,3 +185,14 @@ def test_cpsat_agrees_with_brute_force_over_all_actions(problem):
     hint = greedy.best_under(problem, budget)
     if hint is not None:
         assert predicted_peak(problem, *hint) <= budget
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_problems(), st.data())
+def test_local_search_never_raises_the_peak_and_returns_effective_choices(problem, data):
+    """``greedy.lower_peak`` over every action: no higher than its start, and its stash choices are the
+    ones that take effect (what the rewriter would be handed)."""
+    start = data.draw(st.sampled_from(list(all_decisions(problem))))
+    recompute, stash = greedy.lower_peak(problem, start)
+    assert predicted_peak(problem, recompute, stash) <= predicted_peak(problem, *start)
+    assert stash == effective_stash(problem, recompute, stash)

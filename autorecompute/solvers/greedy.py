@@ -10,7 +10,7 @@ A plan here is a pair ``(recompute, stash)``: op → bool and activation → sta
 """
 from __future__ import annotations
 
-from autorecompute.memory_model import effective_stash, extra_cost, predicted_peak
+from autorecompute.memory_model import effective_stash, extra_cost, memory_timeline, predicted_peak
 from autorecompute.problem import Problem
 
 Decisions = tuple[dict[str, bool], dict[str, str]]
@@ -168,6 +168,65 @@ def lowest_start(problem: Problem) -> Decisions:
     articulated = [(sqrt_n_plan(problem, k, cuts), {}) for k in range(1, min(64, len(cuts)) + 1)]
     return min((lowest_peak(problem), *articulated),
                key=lambda d: (predicted_peak(problem, *d), extra_cost(problem, *d)))
+
+
+def lower_peak(problem: Problem, start: Decisions, work: int = 8_000_000, near: int = 4096) -> Decisions:
+    """Local search for a lower peak from ``start``: one decision changed at a time (an op recomputed or
+    kept, an activation's stash action set or dropped), each change kept when it lowers the peak — or,
+    at the same peak, the number of positions within ``near`` bytes of it, so that a flat top can be taken
+    down one position at a time — until a pass over every decision changes nothing, or ``work``
+    (evaluations × problem size: a count, not a clock, so the result is reproducible) is spent.
+
+    CP-SAT's minimum-peak search on a long chain can stop where a single change lowers the peak: GPT's
+    recompute-only minimum falls from 5.12 to 4.52 MiB this way (CP-SAT for 9 s from the same start: none).
+
+    Example:
+        >>> from autorecompute.problem import Activation, Problem
+        >>> act = Activation("h", owner="fc", nbytes=100, hold_start=2, savers=("act",), readers=("act",),
+        ...                  save_end=3, read_end=3)
+        >>> problem = Problem(chain=("fc", "act"), recomputable=frozenset({"fc"}), cost={"fc": 1, "act": 1},
+        ...                   flops={}, activations=(act,), fixed=(10, 10, 10, 10), num_forward=2)
+        >>> lower_peak(problem, ({"fc": True}, {}))
+        ({'fc': True}, {})
+    """
+    recompute, stash = dict(start[0]), dict(start[1])
+
+    def score() -> tuple[int, int]:
+        timeline = memory_timeline(problem, recompute, effective_stash(problem, recompute, stash))
+        top = max(timeline)
+        return top, sum(1 for v in timeline if v > top - near)
+
+    def apply(move: tuple[dict, str, object]) -> object:
+        """Sets ``table[name] = value`` (None: removes it); returns the value it had."""
+        table, name, value = move
+        previous = table.get(name)
+        if value is None:
+            table.pop(name, None)
+        else:
+            table[name] = value
+        return previous
+
+    moves = [(recompute, op, None) for op in sorted(problem.recomputable)]    # value: filled in as a toggle
+    moves += [(stash, name, action) for name, options in sorted(problem.stash_options.items())
+              for action in (*(o.action for o in options), None)]
+    tries, best, changed = max(1, work // (problem.num_positions + len(problem.activations))), score(), True
+    while changed and tries > 0:
+        changed = False
+        for table, name, value in moves:
+            if tries == 0:
+                break
+            if table is recompute:
+                value = not recompute.get(name, False)
+            elif stash.get(name) == value:
+                continue
+            tries -= 1
+            previous = apply((table, name, value))
+            now = score()
+            if now < best:
+                best, changed = now, True
+            else:
+                apply((table, name, previous))
+    return recompute, effective_stash(problem, recompute, stash)
 
 
 def cheapest_under(problem: Problem, budget: int) -> Decisions | None:
