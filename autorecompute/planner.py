@@ -41,6 +41,9 @@ OBJECTIVES = ("time", "flops")
 DEFAULT_ACTIONS = ("recompute", "offload")      # the lossless ones
 MAX_TIGHTENINGS = 4
 NEAR_MINIMUM = 1.15   # budgets below this multiple of the heuristic minimum get a CP-SAT minimum-peak solve
+# ... unless below this one: no search lowers the heuristic's minimum that far (CP-SAT and the local search:
+# 0.85-0.9× on the benchmark models), so the full-limit minimum solve that precedes a refusal runs at once
+FAR_BELOW_MINIMUM = 0.7
 # the minimum-peak local search's work per second of solver time (greedy.lower_peak: evaluations × problem
 # size), at least one second's: about a second per second of limit on a 2-core CPU when it runs to the end;
 # on the benchmark models it ends sooner (0.2-1.3 s), where no single change lowers the peak
@@ -209,7 +212,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
         if peak < lowest["peak"]:
             replace_lowest(polished, peak, "feasible (local search)", lowest["gap"])
 
-    if budget_bytes < NEAR_MINIMUM * lowest["peak"]:
+    if FAR_BELOW_MINIMUM * lowest["peak"] <= budget_bytes < NEAR_MINIMUM * lowest["peak"]:
         # the minimum matters only when the budget is close to it: then ask CP-SAT for a lower one
         lower_minimum(options.solver_time_limit / 4)
     log.debug("minimum peak (model) %d, %s in %.2f s", lowest["peak"], lowest["status"], time.perf_counter() - t)
