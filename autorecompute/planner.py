@@ -41,9 +41,6 @@ OBJECTIVES = ("time", "flops")
 DEFAULT_ACTIONS = ("recompute", "offload")      # the lossless ones
 MAX_TIGHTENINGS = 4
 NEAR_MINIMUM = 1.15   # budgets below this multiple of the heuristic minimum get a CP-SAT minimum-peak solve
-# ... unless below this one: no search lowers the heuristic's minimum that far (CP-SAT and the local search:
-# 0.85-0.9× on the benchmark models), so the full-limit minimum solve that precedes a refusal runs at once
-FAR_BELOW_MINIMUM = 0.7
 # the minimum-peak local search's work per second of solver time (greedy.lower_peak: evaluations × problem
 # size), at least one second's: about a second per second of limit on a 2-core CPU when it runs to the end;
 # on the benchmark models it ends sooner (0.2-1.3 s), where no single change lowers the peak
@@ -212,19 +209,25 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
         if peak < lowest["peak"]:
             replace_lowest(polished, peak, "feasible (local search)", lowest["gap"])
 
-    if FAR_BELOW_MINIMUM * lowest["peak"] <= budget_bytes < NEAR_MINIMUM * lowest["peak"]:
-        # the minimum matters only when the budget is close to it: then ask CP-SAT for a lower one
+    if budget_bytes < NEAR_MINIMUM * lowest["peak"]:
+        # the minimum matters only when the budget is close to it: then ask CP-SAT for a lower one (a budget far
+        # below it too: the same searches as at any budget under the minimum, so that the minimum an
+        # InfeasibleBudgetError names, given as the budget, finds the plan it was measured from)
         lower_minimum(options.solver_time_limit / 4)
     log.debug("minimum peak (model) %d, %s in %.2f s", lowest["peak"], lowest["status"], time.perf_counter() - t)
 
     def minimum() -> tuple[torch.nn.Module, int, Decisions]:
         """The lowest measured minimum-peak plan; the latest one is verified once, when a decision needs it."""
         if not lowest["verified"]:
-            for decisions in [*replaced_unverified, lowest["decisions"]]:
-                module, peak = verify(decisions) if predicted_peak(problem, *decisions) < baseline_peak \
-                    else (gm, baseline_peak)
+            # the latest first; the plans it replaced only where it measures above the model (there one of
+            # them may measure lower: they are the fallback), not where the model holds
+            for decisions in [lowest["decisions"], *replaced_unverified]:
+                model_peak = predicted_peak(problem, *decisions)
+                module, peak = verify(decisions) if model_peak < baseline_peak else (gm, baseline_peak)
                 verified_minimum.append((module, peak, decisions) if peak < baseline_peak else
                                         (gm, baseline_peak, _keep_all(problem)))
+                if decisions is lowest["decisions"] and peak <= model_peak:
+                    break
             replaced_unverified.clear()
             lowest["verified"] = True
         return min(verified_minimum, key=lambda entry: entry[1])
