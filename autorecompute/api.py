@@ -69,6 +69,13 @@ class CompiledModule(torch.nn.Module):
             copied.__dict__[name] = copy.deepcopy(value, memo)
         return copied
 
+    def __copy__(self) -> "CompiledModule":
+        # the same model, so the same plans: kept (in a cache of the copy's own); copy's default would go
+        # through __getstate__ and drop them, planning again on the copy's first training call
+        copied = type(self).__new__(type(self))
+        copied.__setstate__({**self.__getstate__(keep_plans=True), "_plans": dict(self._plans)})
+        return copied
+
     def __getstate__(self, keep_plans: bool = False) -> dict:
         # pickle / torch.save: the model and the settings; plans are this process's cache (rewritten graph
         # modules, offload tiers), made again — the same plans, the planner is deterministic — on the first

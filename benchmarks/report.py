@@ -215,16 +215,17 @@ def _minimum_ratio(summaries: list[dict], model: str, key: str) -> str:
     return f"{s[key] / s['sqrt_n_peak']:.3f}×"
 
 
-def _floors(summaries: list[dict]) -> str:
-    """The floor of each model (``benchmarks/floors.py``) as a fraction of its √N peak."""
+def _floors(summaries: list[dict], actions: str) -> str:
+    """The floor of each model (``benchmarks/floors.py``; ``actions``: "recompute" or "offload") as a
+    fraction of its √N peak."""
     import json
 
     path = Path(__file__).resolve().parent / "results" / "floors.json"
     if not path.exists():
         return "(run benchmarks/floors.py)"
     floors = json.loads(path.read_text())
-    return ", ".join(f"{s['model']} {floors[s['model']] / s['sqrt_n_peak']:.2f}×" for s in summaries
-                     if s["model"] in floors)
+    return ", ".join(f"{s['model']} {floors[s['model']][actions] / s['sqrt_n_peak']:.2f}×" for s in summaries
+                     if isinstance(floors.get(s["model"]), dict))
 
 
 def write_markdown(rows, summaries, seconds: float, quick: bool, path: Path) -> None:
@@ -288,8 +289,9 @@ def write_markdown(rows, summaries, seconds: float, quick: bool, path: Path) -> 
              "takes ~35 µs.",
              "* **Minimum peak (2a, 2b).** No plan goes below the lower bound of `benchmarks/floors.py`: at every "
              "position, what no decision changes (resident state, activations in their forward life, autograd's "
-             "backward temporaries, gradients not offloadable) plus what the backward op there reads. Against "
-             f"√N's peak it is {_floors(summaries)}. "
+             "backward temporaries, parameter gradients where they cannot be offloaded) plus what the backward "
+             "op there reads. Against √N's peak it is, with recompute only (2a), "
+             f"{_floors(summaries, 'recompute')}; with offload (2b), {_floors(summaries, 'offload')}. "
              f"VGG meets 2a ({_minimum_ratio(summaries, 'vgg', 'minimum_peak')}; 0.859× before) since a tensor "
              "can be made again from the model's inputs twice (`rematerialize:through`): its minimum was set in "
              "the first block's backward, where 4.79 MiB are fixed (parameters, their gradients, the gradient "
@@ -306,7 +308,12 @@ def write_markdown(rows, summaries, seconds: float, quick: bool, path: Path) -> 
              "local search after the minimum-peak solve took Llama from 3.31 to 3.25 MiB (a 60-s CP-SAT solve "
              "alone: 3.23 MiB), five backward positions within 0.16 MiB of its peak in the model; 0.8× "
              "(3.0 MiB) would need each of the attention's tensors made again on its own just before its "
-             "backward, at this size. "
+             "backward, at this size. No recipe is offered for them: the probabilities' inputs lead back to "
+             "the causal mask and the rotary tables, which nothing saves (so a recipe must make them again "
+             "too) and which are built from the positions in more than 40 ops, where a recipe may run 8 (at "
+             "40 the walk still had not reached them). Holding those small tensors (4–64 KiB, shared by every "
+             "layer) as recipe inputs, counted by the memory model, is the step that could take Llama under "
+             "0.8×; its recompute-only floor is 0.71×. "
              "2b is out of reach on both by the budget's own terms: "
              "it covers the parameter gradients at the end of backward, where every one is back on the device "
              "for the optimizer — VGG's parameters and their gradients alone are 3.70 MiB, 0.54× of √N's "

@@ -479,11 +479,11 @@ def main(argv=None) -> int:
     plots.mkdir(parents=True, exist_ok=True)
     for name in names:
         pareto_plot(name, [r for r in all_rows if r["model"] == name], plots / f"pareto_{name}.png")
-    from floors import floor        # the memory no plan removes, for the 2a/2b explanation
+    from floors import floors       # the memory no plan removes, for the 2a/2b explanation
     floors_path = out / "floors.json"
-    floors = json.loads(floors_path.read_text()) if floors_path.exists() else {}
-    floors.update({name: floor(name) for name in benched})
-    floors_path.write_text(json.dumps(floors, indent=1))
+    found = json.loads(floors_path.read_text()) if floors_path.exists() else {}
+    found.update({name: floors(name) for name in benched})
+    floors_path.write_text(json.dumps(found, indent=1))
     from report import write_markdown
 
     write_markdown(all_rows, summaries, seconds, args.quick, ROOT / "docs" / "benchmarks.md")

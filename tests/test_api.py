@@ -164,12 +164,12 @@ def test_the_minimum_peak_search_ends_where_no_single_change_lowers_it(monkeypat
         assert torch.equal(grad, result.grads[name]), name
 
 
-@pytest.mark.parametrize("copy_of", ["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("copy_of", ["deepcopy", "copy", "pickle", "torch.save"])
 def test_a_compiled_module_with_offload_copies_and_saves(copy_of, tmp_path):
     """``copy.deepcopy`` (an EMA or teacher copy), ``pickle`` and ``torch.save`` of a compiled module whose plan
-    offloads: the copy trains its own parameters with the same plan and eager's gradients. (A deepcopy keeps
-    the plans; a loaded copy plans again on its first training call.) The offload runtime held a thread-local
-    and the copy failed with "cannot pickle '_thread._local' object"."""
+    offloads: the copy trains its own parameters with the same plan and eager's gradients; ``copy.copy``
+    shares the model's. (Copies keep the plans; a loaded copy plans again on its first training call.) The
+    offload runtime held a thread-local and the copy failed with "cannot pickle '_thread._local' object"."""
     import copy
     import io
     import pickle
@@ -190,10 +190,11 @@ def test_a_compiled_module_with_offload_copies_and_saves(copy_of, tmp_path):
         buffer.seek(0)
         return torch.load(buffer, weights_only=False)
 
-    copied = {"deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m)),
+    copied = {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": lambda m: pickle.loads(pickle.dumps(m)),
               "torch.save": saved_and_loaded}[copy_of](compiled)
-    assert (copied.plan is not None) == (copy_of == "deepcopy")     # a deepcopy keeps the plans
-    assert all(a is not b for a, b in zip(copied.parameters(), model.parameters()))
+    assert (copied.plan is not None) == (copy_of in ("deepcopy", "copy"))     # copies keep the plans
+    shared = copy_of == "copy"
+    assert all((a is b) == shared for a, b in zip(copied.parameters(), model.parameters()))
     assert all(a is b for a, b in zip(copied.parameters(), copied.model.parameters()))
     step = measured_step(copied, copied.model, case.args, case.kwargs, seed=1)
     assert copied.plan.decisions == compiled.plan.decisions

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from autorecompute.memory_model import extra_cost, extra_flops, memory_timeline, predicted_peak, rerun_ops
 from autorecompute.problem import Activation, Problem
 from autorecompute.solvers import cpsat, greedy
-from strategies import early_stop_saves
+from strategies import activations, early_stop_saves
 
 MIB = 2**20
 
@@ -103,15 +103,7 @@ def random_problems(draw):
     acts = []
     for i in range(n):
         for k in range(draw(st.integers(0, 2))):
-            readers = tuple(sorted(draw(st.sets(st.sampled_from(chain[i:]), max_size=2))))
-            savers = tuple(sorted(draw(st.sets(st.sampled_from(chain[i:]), max_size=2))))
-            last_use = max([i] + [int(r[2:]) for r in readers])
-            save_end = max([bpos[s] for s in savers], default=-1)
-            read_end = max([save_end] + [bpos[r] for r in readers if r != f"op{i}"])
-            acts.append(Activation(name=f"t{i}_{k}", owner=f"op{i}", nbytes=draw(st.integers(1, 8)) * 1000,
-                                   hold_start=last_use + 1, savers=savers,
-                                   readers=tuple(r for r in readers if r != f"op{i}"),
-                                   save_end=save_end, read_end=read_end))
+            acts.append(draw(activations(chain, i, k, bpos)))
     recomputable = frozenset(draw(st.sets(st.sampled_from(chain), min_size=1)))
     fixed = tuple(draw(st.lists(st.integers(0, 5000), min_size=positions, max_size=positions)))
     return Problem(chain=chain, recomputable=recomputable, cost={op: draw(st.integers(1, 9)) for op in chain},

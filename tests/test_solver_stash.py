@@ -10,7 +10,7 @@ from autorecompute.passes.build_problem import stash_options
 from autorecompute.passes.profile import TensorInfo
 from autorecompute.problem import Activation, Problem, StashOption
 from autorecompute.solvers import cpsat, greedy
-from strategies import early_stop_saves
+from strategies import activations, early_stop_saves
 from autorecompute.transfer import TransferModel
 
 KIB = 1024
@@ -117,16 +117,10 @@ def random_problems(draw):
     acts, options = [], {}
     for i in range(n):
         for k in range(draw(st.integers(0, 2))):
-            readers = tuple(sorted(draw(st.sets(st.sampled_from(chain[i:]), max_size=2))))
-            savers = tuple(sorted(draw(st.sets(st.sampled_from(chain[i:]), max_size=2))))
-            last_use = max([i] + [int(r[2:]) for r in readers])
-            save_end = max([bpos[s] for s in savers], default=-1)
-            read_end = max([save_end] + [bpos[r] for r in readers if r != f"op{i}"])
-            name = f"t{i}_{k}"
-            nbytes = draw(st.integers(1, 8)) * 1000
-            acts.append(Activation(name=name, owner=f"op{i}", nbytes=nbytes, hold_start=last_use + 1, savers=savers,
-                                   readers=tuple(r for r in readers if r != f"op{i}"), save_end=save_end,
-                                   read_end=read_end))
+            act = draw(activations(chain, i, k, bpos))
+            acts.append(act)
+            name, nbytes, savers, save_end = act.name, act.nbytes, act.savers, act.save_end
+            last_use = act.hold_start - 1
             if savers and save_end >= last_use + 1 and draw(st.booleans()):
                 first_use = min(bpos[s] for s in savers)
                 opts = [StashOption("offload", 0, last_use + 1, draw(st.integers(max(n, first_use - 2), first_use)),
