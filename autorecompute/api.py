@@ -27,12 +27,31 @@ def _describe(value) -> str:
     return repr(value)
 
 
+AUTOCAST_DEVICES = ("cpu", "cuda")   # where an enclosing torch.autocast changes the step a plan was made for
+
+
+def _autocast_state(devices: set[str]) -> str:
+    """The enclosing ``torch.autocast`` regions: " under autocast(cpu, bfloat16)", or "" outside any."""
+    on = []
+    for device_type in sorted({*AUTOCAST_DEVICES, *devices}):
+        try:
+            enabled = torch.is_autocast_enabled(device_type)
+        except RuntimeError:          # a device type autocast does not know (meta): nothing to record
+            continue
+        if enabled:
+            on.append(f"{device_type}, {str(torch.get_autocast_dtype(device_type)).replace('torch.', '')}")
+    return "".join(f" under autocast({state})" for state in on)
+
+
 def input_signature(args: tuple, kwargs: dict) -> str:
     """What a plan depends on, readable: shapes, dtypes, devices, requires_grad of tensors; other values by
-    repr; keyword names. ``input_signature((torch.ones(2, 3),), {}) == "(float32[2, 3]@cpu)"``."""
+    repr; keyword names; an enclosing ``torch.autocast`` (it changes the dtypes, so the sizes, of the step).
+    ``input_signature((torch.ones(2, 3),), {}) == "(float32[2, 3]@cpu)"``."""
+    flat = [*tree_flatten(list(args))[0], *tree_flatten(list(kwargs.values()))[0]]
     parts = [_describe(v) for v in tree_flatten(list(args))[0]]
     parts += [f"{k}={_describe(v)}" for k, value in kwargs.items() for v in tree_flatten(value)[0]]
-    return f"({', '.join(parts)})"
+    devices = {v.device.type for v in flat if isinstance(v, torch.Tensor)}
+    return f"({', '.join(parts)}){_autocast_state(devices)}"
 
 
 def _cache_key(args: tuple, kwargs: dict) -> str:

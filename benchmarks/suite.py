@@ -1,6 +1,6 @@
 """Benchmark suite: autorecompute against √N checkpointing, per-block checkpointing and eager.
 
-    python benchmarks/suite.py            # full suite (≈ 28 min on 2 cores)
+    python benchmarks/suite.py            # full suite (24–28 min on 2 cores)
     python benchmarks/suite.py --quick    # 3 models, fewer points (≈ 4 min)
     python benchmarks/suite.py --models gpt mlp --merge   # rerun some models, keep the others' rows
 

@@ -64,6 +64,31 @@ def test_huggingface_output_structure_is_kept():
     assert compiled.config is model.config       # attributes of the model are reachable
 
 
+def test_a_plan_made_under_autocast_is_not_reused_without_it():
+    """Autocast changes the step's dtypes, so its sizes: a plan made under ``torch.autocast`` is keyed by it,
+    and the same inputs in float32 get a plan of their own that fits the budget when measured. (The
+    bfloat16 plan was reused for float32 steps, whose activations are twice as large.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+                                  for _ in range(6)])
+    x = torch.randn(512, 256)
+    eager = measured_step(model, model, (x,), {})
+    budget = int(0.6 * eager.peak)
+    for p in model.parameters():
+        p.grad = None
+    compiled = autorecompute.compile(model, budget=budget, solver_time_limit=SOLVER_TIME)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = measured_step(compiled, model, (x,), {})
+    assert compiled.plan.signature == "(float32[512, 256]@cpu) under autocast(cpu, bfloat16)"
+    assert mixed.outputs[0].dtype == torch.bfloat16 and mixed.peak <= budget
+
+    step = measured_step(compiled, model, (x,), {})
+    assert compiled.plan.signature == "(float32[512, 256]@cpu)" and len(compiled.plans) == 2
+    assert step.outputs[0].dtype == torch.float32
+    assert step.peak <= budget < eager.peak
+    assert all(torch.equal(step.grads[n], g) for n, g in eager.grads.items())
+
+
 def test_plan_round_trips_through_json_and_reads_well():
     case = models.make("gpt")
     plan = autorecompute.plan(case.model, *case.args, budget=0.5, solver_time_limit=SOLVER_TIME)
