@@ -4,12 +4,14 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import warnings
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from autorecompute.budget import parse_budget
+from autorecompute.errors import ReplanningWarning
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
 from autorecompute.transfer import TransferModel
@@ -52,6 +54,11 @@ def input_signature(args: tuple, kwargs: dict) -> str:
     parts += [f"{k}={_describe(v)}" for k, value in kwargs.items() for v in tree_flatten(value)[0]]
     devices = {v.device.type for v in flat if isinstance(v, torch.Tensor)}
     return f"({', '.join(parts)}){_autocast_state(devices)}"
+
+
+# plans of one compiled module after which each new signature warns: shapes that change every step (sequences
+# padded to each batch's longest) are planned again every step, as torch.compile recompiles
+MANY_SIGNATURES = 8
 
 
 def _cache_key(args: tuple, kwargs: dict) -> str:
@@ -146,9 +153,11 @@ class CompiledModule(torch.nn.Module):
 
     def prepare(self, *args, **kwargs) -> Plan:
         """Plans for these inputs now (as the first training call would) without running a step."""
-        return self._planned(args, kwargs).plan
+        return self._planned(args, kwargs, calls_above=1).plan
 
-    def _planned(self, args: tuple, kwargs: dict) -> Planned:
+    def _planned(self, args: tuple, kwargs: dict, calls_above: int = 3) -> Planned:
+        # calls_above: frames between this method and the user's code (a warning points at the user's line):
+        # prepare(); or forward() under nn.Module's __call__ and _call_impl
         key = _cache_key(args, kwargs)
         signature = input_signature(args, kwargs)
         planned = self._plans.get(key)
@@ -157,6 +166,13 @@ class CompiledModule(torch.nn.Module):
             with torch.random.fork_rng(devices=[]):   # planning must not move the user's RNG stream
                 planned = make_plan(self._model, args, kwargs, self._budget, self._options, signature)
             self._plans[key] = planned
+            if len(self._plans) >= MANY_SIGNATURES:
+                warnings.warn(
+                    f"autorecompute has planned {len(self._plans)} input signatures for "
+                    f"{type(self._model).__name__} (the latest {signature}): each new one is captured and "
+                    "solved again, seconds of planning, and its plan is kept. Fix: give the steps a few fixed "
+                    "shapes (pad sequences to a multiple of 64 or to the longest, drop or pad the last batch).",
+                    ReplanningWarning, stacklevel=2 + calls_above)
         self.__dict__["_last"] = planned
         return planned
 

@@ -42,3 +42,8 @@ class SolverError(AutorecomputeError, RuntimeError):
 class OffloadError(AutorecomputeError, OSError):
     """Offloading an activation failed (a directory that cannot be written, a full disk): the step stops
     rather than lose the tensor. The message names the tensor, the path and the fix."""
+
+
+class ReplanningWarning(UserWarning):
+    """A compiled module has planned many input signatures: inputs whose shapes change from step to step are
+    captured and solved again each time (seconds), and each plan is kept."""

@@ -89,6 +89,28 @@ def test_a_plan_made_under_autocast_is_not_reused_without_it():
     assert all(torch.equal(step.grads[n], g) for n, g in eager.grads.items())
 
 
+def test_many_input_signatures_warn_with_the_fix():
+    """Shapes that change every step are planned again every step: from the eighth signature on, each new plan
+    warns (``ReplanningWarning``, naming the count, the latest signature and the fix); a known one does not."""
+    import warnings
+
+    from autorecompute.api import MANY_SIGNATURES
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16))
+    compiled = autorecompute.compile(model, budget=1.0, solver_time_limit=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autorecompute.ReplanningWarning)
+        for batch in range(1, MANY_SIGNATURES):
+            compiled(torch.randn(batch, 16)).sum().backward()
+    with pytest.warns(autorecompute.ReplanningWarning, match=rf"planned {MANY_SIGNATURES} input signatures for "
+                                                             rf"Sequential \(the latest \(float32\[{MANY_SIGNATURES}, 16\]"):
+        compiled(torch.randn(MANY_SIGNATURES, 16)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autorecompute.ReplanningWarning)
+        compiled(torch.randn(1, 16)).sum().backward()        # planned already: no new plan, no warning
+    assert len(compiled.plans) == MANY_SIGNATURES
+
+
 def test_plan_round_trips_through_json_and_reads_well():
     case = models.make("gpt")
     plan = autorecompute.plan(case.model, *case.args, budget=0.5, solver_time_limit=SOLVER_TIME)
