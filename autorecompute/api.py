@@ -29,7 +29,9 @@ def _describe(value) -> str:
     return repr(value)
 
 
-AUTOCAST_DEVICES = ("cpu", "cuda")   # where an enclosing torch.autocast changes the step a plan was made for
+# device types whose enclosing torch.autocast changes the step a plan was made for (checked every call: the
+# model may move inputs onto its own device inside forward)
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "privateuseone")
 
 
 def _autocast_state(devices: set[str]) -> str:
@@ -38,7 +40,7 @@ def _autocast_state(devices: set[str]) -> str:
     for device_type in sorted({*AUTOCAST_DEVICES, *devices}):
         try:
             enabled = torch.is_autocast_enabled(device_type)
-        except RuntimeError:          # a device type autocast does not know (meta): nothing to record
+        except (RuntimeError, ValueError):    # a device type autocast does not know (meta): nothing to record
             continue
         if enabled:
             on.append(f"{device_type}, {str(torch.get_autocast_dtype(device_type)).replace('torch.', '')}")
@@ -56,9 +58,21 @@ def input_signature(args: tuple, kwargs: dict) -> str:
     return f"({', '.join(parts)}){_autocast_state(devices)}"
 
 
-# plans of one compiled module after which each new signature warns: shapes that change every step (sequences
-# padded to each batch's longest) are planned again every step, as torch.compile recompiles
+# plans of one compiled module at which it warns, and again at each doubling: shapes that change every step
+# (sequences padded to each batch's longest) are planned again every step, as torch.compile recompiles
 MANY_SIGNATURES = 8
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised here that names the first caller outside autorecompute and
+    torch.nn (forward runs under nn.Module's call machinery, one frame more with hooks or Module.compile())."""
+    import sys
+
+    inside = (os.path.dirname(__file__), os.path.dirname(torch.nn.__file__))
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def _cache_key(args: tuple, kwargs: dict) -> str:
@@ -153,27 +167,27 @@ class CompiledModule(torch.nn.Module):
 
     def prepare(self, *args, **kwargs) -> Plan:
         """Plans for these inputs now (as the first training call would) without running a step."""
-        return self._planned(args, kwargs, calls_above=1).plan
+        return self._planned(args, kwargs).plan
 
-    def _planned(self, args: tuple, kwargs: dict, calls_above: int = 3) -> Planned:
-        # calls_above: frames between this method and the user's code (a warning points at the user's line):
-        # prepare(); or forward() under nn.Module's __call__ and _call_impl
+    def _planned(self, args: tuple, kwargs: dict) -> Planned:
         key = _cache_key(args, kwargs)
         signature = input_signature(args, kwargs)
         planned = self._plans.get(key)
-        if planned is None:
+        new = planned is None
+        if new:
             log.info("planning %s for %s", type(self._model).__name__, signature)
             with torch.random.fork_rng(devices=[]):   # planning must not move the user's RNG stream
                 planned = make_plan(self._model, args, kwargs, self._budget, self._options, signature)
             self._plans[key] = planned
-            if len(self._plans) >= MANY_SIGNATURES:
-                warnings.warn(
-                    f"autorecompute has planned {len(self._plans)} input signatures for "
-                    f"{type(self._model).__name__} (the latest {signature}): each new one is captured and "
-                    "solved again, seconds of planning, and its plan is kept. Fix: give the steps a few fixed "
-                    "shapes (pad sequences to a multiple of 64 or to the longest, drop or pad the last batch).",
-                    ReplanningWarning, stacklevel=2 + calls_above)
         self.__dict__["_last"] = planned
+        count = len(self._plans)
+        if new and count >= MANY_SIGNATURES and count & (count - 1) == 0:      # the 8th, 16th, 32nd... plan
+            warnings.warn(
+                f"autorecompute has planned {count} input signatures for {type(self._model).__name__} "
+                f"(the latest {signature}): each new one is captured and solved again, seconds of planning, "
+                "and its plan is kept. Fix: give the steps a few fixed shapes (pad sequences to a multiple of "
+                "64 or to the longest, drop or pad the last batch).", ReplanningWarning,
+                stacklevel=_user_stacklevel())
         return planned
 
     def forward(self, *args, **kwargs):

@@ -217,7 +217,8 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     log.debug("minimum peak (model) %d, %s in %.2f s", lowest["peak"], lowest["status"], time.perf_counter() - t)
 
     def minimum() -> tuple[torch.nn.Module, int, Decisions]:
-        """The lowest measured minimum-peak plan; the latest one is verified once, when a decision needs it."""
+        """The lowest measured minimum-peak plan; the plans found since the last call (the latest and those
+        it replaced) are verified when a decision first needs the minimum."""
         if not lowest["verified"]:
             # the plans it replaced too: a fake step each (well under a second on the benchmark models), and
             # plans equal in the model can differ when measured (VGG with offload: 3.98, 4.17 and 4.50 MB at

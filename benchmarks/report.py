@@ -224,8 +224,9 @@ def _floors(summaries: list[dict], actions: str) -> str:
     if not path.exists():
         return "(run benchmarks/floors.py)"
     floors = json.loads(path.read_text())
-    return ", ".join(f"{s['model']} {floors[s['model']][actions] / s['sqrt_n_peak']:.2f}×" for s in summaries
-                     if isinstance(floors.get(s["model"]), dict))
+    found = [f"{s['model']} {floors[s['model']][actions] / s['sqrt_n_peak']:.2f}×" for s in summaries
+             if isinstance(floors.get(s["model"]), dict)]
+    return ", ".join(found) or "(run benchmarks/floors.py)"
 
 
 def write_markdown(rows, summaries, seconds: float, quick: bool, path: Path) -> None:

@@ -482,7 +482,8 @@ def main(argv=None) -> int:
     from floors import floors       # the memory no plan removes, for the 2a/2b explanation
     floors_path = out / "floors.json"
     found = json.loads(floors_path.read_text()) if floors_path.exists() else {}
-    found.update({name: floors(name) for name in benched})
+    stale = [name for name, value in found.items() if not isinstance(value, dict)]   # one floor a model: older
+    found.update({name: floors(name) for name in dict.fromkeys([*benched, *stale])})
     floors_path.write_text(json.dumps(found, indent=1))
     from report import write_markdown
 

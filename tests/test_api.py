@@ -90,25 +90,33 @@ def test_a_plan_made_under_autocast_is_not_reused_without_it():
 
 
 def test_many_input_signatures_warn_with_the_fix():
-    """Shapes that change every step are planned again every step: from the eighth signature on, each new plan
-    warns (``ReplanningWarning``, naming the count, the latest signature and the fix); a known one does not."""
+    """Shapes that change every step are planned again every step: the 8th, 16th, 32nd... new plan warns
+    (``ReplanningWarning``: the count, the latest signature, the fix) at the user's line, through forward
+    hooks too; other new plans and known signatures do not."""
     import warnings
 
     from autorecompute.api import MANY_SIGNATURES
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16))
     compiled = autorecompute.compile(model, budget=1.0, solver_time_limit=0.2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", autorecompute.ReplanningWarning)
-        for batch in range(1, MANY_SIGNATURES):
+    compiled.register_forward_pre_hook(lambda module, args: None)   # one more torch frame between us and the caller
+
+    def step(batch: int) -> list:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             compiled(torch.randn(batch, 16)).sum().backward()
-    with pytest.warns(autorecompute.ReplanningWarning, match=rf"planned {MANY_SIGNATURES} input signatures for "
-                                                             rf"Sequential \(the latest \(float32\[{MANY_SIGNATURES}, 16\]"):
-        compiled(torch.randn(MANY_SIGNATURES, 16)).sum().backward()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", autorecompute.ReplanningWarning)
-        compiled(torch.randn(1, 16)).sum().backward()        # planned already: no new plan, no warning
-    assert len(compiled.plans) == MANY_SIGNATURES
+        return [w for w in caught if issubclass(w.category, autorecompute.ReplanningWarning)]
+
+    assert not any(step(batch) for batch in range(1, MANY_SIGNATURES))
+    (warning,) = step(MANY_SIGNATURES)
+    assert f"planned {MANY_SIGNATURES} input signatures for Sequential (the latest (float32[{MANY_SIGNATURES}, 16]" \
+        in str(warning.message) and "Fix:" in str(warning.message)
+    assert warning.filename == __file__
+    assert not step(1)                                         # planned already: no new plan, no warning
+    assert not any(step(batch) for batch in range(MANY_SIGNATURES + 1, 2 * MANY_SIGNATURES))
+    (warning,) = step(2 * MANY_SIGNATURES)                     # and again at each doubling
+    assert f"planned {2 * MANY_SIGNATURES} input signatures" in str(warning.message)
+    assert len(compiled.plans) == 2 * MANY_SIGNATURES
 
 
 def test_plan_round_trips_through_json_and_reads_well():
@@ -242,6 +250,7 @@ def test_a_compiled_module_with_offload_copies_and_saves(copy_of, tmp_path):
     assert (copied.plan is not None) == (copy_of in ("deepcopy", "copy"))     # copies keep the plans
     shared = copy_of == "copy"
     assert all((a is b) == shared for a, b in zip(copied.parameters(), model.parameters()))
+    assert copied._plans is not compiled._plans                      # a cache of its own
     assert all(a is b for a, b in zip(copied.parameters(), copied.model.parameters()))
     step = measured_step(copied, copied.model, case.args, case.kwargs, seed=1)
     assert copied.plan.decisions == compiled.plan.decisions
