@@ -10,11 +10,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from autorecompute.budget import format_bytes, parse_budget
+from autorecompute.budget import parse_budget
 from autorecompute.errors import ReplanningWarning
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
-from autorecompute.runtime.memory import tensor_bytes
 from autorecompute.transfer import TransferModel
 
 log = logging.getLogger("autorecompute")
@@ -74,17 +73,6 @@ def _user_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         level, frame = level + 1, frame.f_back
     return level
-
-
-def gradient_state(model: torch.nn.Module) -> str:
-    """What a plan depends on in the model's state: the gradients that exist when a step starts (as from the
-    second micro-batch of gradient accumulation on) are resident from its first op, where a step that starts
-    without them makes them during backward. ``""`` when none exist, else " with gradients of 3 parameters
-    (1.50 KiB)"."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return ""
-    return f" with gradients of {len(grads)} parameters ({format_bytes(tensor_bytes(grads))})"
 
 
 def _cache_key(args: tuple, kwargs: dict) -> str:
@@ -182,9 +170,8 @@ class CompiledModule(torch.nn.Module):
         return self._planned(args, kwargs).plan
 
     def _planned(self, args: tuple, kwargs: dict) -> Planned:
-        state = gradient_state(self._model)     # a plan per state: gradient accumulation's first micro-batch
-        key = _cache_key(args, kwargs) + state  # starts without gradients, the later ones with them
-        signature = input_signature(args, kwargs) + state
+        key = _cache_key(args, kwargs)
+        signature = input_signature(args, kwargs)
         planned = self._plans.get(key)
         new = planned is None
         if new:
@@ -283,6 +270,5 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
         0
     """
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
-    planned: Planned = make_plan(model, args, kwargs, budget, options,
-                                 input_signature(args, kwargs) + gradient_state(model))
+    planned: Planned = make_plan(model, args, kwargs, budget, options, input_signature(args, kwargs))
     return planned.plan
