@@ -6,11 +6,12 @@
 """
 from autorecompute.api import CompiledModule, compile, plan
 from autorecompute.budget import format_bytes, parse_budget
-from autorecompute.errors import (AutorecomputeError, CaptureError, InfeasibleBudgetError, OffloadError,
-                                  ReplanningWarning)
+from autorecompute.errors import (AutorecomputeError, CaptureError, GradientsWarning, InfeasibleBudgetError,
+                                  OffloadError, ReplanningWarning)
 from autorecompute.plan import Plan
 from autorecompute.transfer import TransferModel
 
 __all__ = ["compile", "plan", "parse_budget", "format_bytes", "Plan", "CompiledModule", "TransferModel",
-           "InfeasibleBudgetError", "CaptureError", "OffloadError", "AutorecomputeError", "ReplanningWarning"]
+           "InfeasibleBudgetError", "CaptureError", "OffloadError", "AutorecomputeError", "ReplanningWarning",
+           "GradientsWarning"]
 __version__ = "0.2.0"

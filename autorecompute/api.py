@@ -10,10 +10,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from autorecompute.budget import parse_budget
-from autorecompute.errors import ReplanningWarning
+from autorecompute.budget import format_bytes, parse_budget
+from autorecompute.errors import GradientsWarning, ReplanningWarning
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
+from autorecompute.runtime.memory import tensor_bytes
 from autorecompute.transfer import TransferModel
 
 log = logging.getLogger("autorecompute")
@@ -98,6 +99,7 @@ class CompiledModule(torch.nn.Module):
         self.__dict__["_budget"] = budget
         self.__dict__["_options"] = options
         self.__dict__["_plans"] = {}
+        self.__dict__["_grads_planned"] = {}   # cache key → bytes of the gradients that existed when planned
         self.__dict__["_last"] = None
         self.training = model.training
 
@@ -113,7 +115,8 @@ class CompiledModule(torch.nn.Module):
         # the same model, so the same plans: kept (in a cache of the copy's own); copy's default would go
         # through __getstate__ and drop them, planning again on the copy's first training call
         copied = type(self).__new__(type(self))
-        copied.__setstate__({**self.__getstate__(keep_plans=True), "_plans": dict(self._plans)})
+        copied.__setstate__({**self.__getstate__(keep_plans=True), "_plans": dict(self._plans),
+                             "_grads_planned": dict(self._grads_planned)})
         return copied
 
     def __getstate__(self, keep_plans: bool = False) -> dict:
@@ -122,7 +125,7 @@ class CompiledModule(torch.nn.Module):
         # training call after loading. nn.Module's own state first (it drops what Module.compile() bound)
         state = super().__getstate__()
         if not keep_plans:
-            state.update(_plans={}, _last=None)
+            state.update(_plans={}, _last=None, _grads_planned={})
         return state
 
     @property
@@ -174,11 +177,25 @@ class CompiledModule(torch.nn.Module):
         signature = input_signature(args, kwargs)
         planned = self._plans.get(key)
         new = planned is None
+        grads = tensor_bytes([p.grad for p in self._model.parameters() if p.grad is not None])
         if new:
             log.info("planning %s for %s", type(self._model).__name__, signature)
             with torch.random.fork_rng(devices=[]):   # planning must not move the user's RNG stream
                 planned = make_plan(self._model, args, kwargs, self._budget, self._options, signature)
             self._plans[key] = planned
+            self._grads_planned[key] = grads
+        elif grads > self._grads_planned.get(key, grads):
+            # once per plan: gradient accumulation would repeat it every micro-batch
+            extra, self._grads_planned[key] = grads - self._grads_planned[key], grads
+            warnings.warn(
+                f"this step of {type(self._model).__name__} starts with {format_bytes(extra)} more gradients "
+                f"than when its plan for {signature} was made: they are resident from its first op (a step "
+                "without them makes them during backward), so its peak can exceed the budget by up to that "
+                "much. Fix: zero_grad(set_to_none=True) before each step; for gradient accumulation, give "
+                "every parameter its gradient before the first compiled call (p.grad = torch.zeros_like(p)) "
+                "and zero it with zero_grad(set_to_none=False): the plan then counts them from the first op.",
+                GradientsWarning,
+                stacklevel=_user_stacklevel())
         self.__dict__["_last"] = planned
         count = len(self._plans)
         if new and count >= MANY_SIGNATURES and count & (count - 1) == 0:      # the 8th, 16th, 32nd... plan

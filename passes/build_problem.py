@@ -190,7 +190,7 @@ def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forw
     """
     pack = min(saver_positions, default=act.hold_start - 1)
     first_use = (first_backward_use(saver_backward, last, num_forward) if saver_backward
-                 else max(act.save_end, num_forward))
+                 else min(last, max(act.save_end, num_forward)))
     options = []
     if offload is not None:
         write = act.nbytes / offload.write_bytes_per_second
@@ -258,8 +258,9 @@ def gradient_offloads(gm: torch.fx.GraphModule, backward_position, last: int,
 
 def first_backward_use(saver_backward: list[int | None], last: int, num_forward: int) -> int:
     """The first backward position that needs a tensor its savers (at ``saver_backward``; None: a saver
-    whose backward did not run, so the last position) keep: where it must be back on the device."""
-    return max(num_forward, min(last if p is None else p for p in saver_backward))
+    whose backward did not run, so the last position) keep: where it must be back on the device (the last
+    position when the step ran no backward event at all)."""
+    return min(last, max(num_forward, min(last if p is None else p for p in saver_backward)))
 
 
 def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, activations: dict[str, Activation],
@@ -396,7 +397,8 @@ def _unreplayable(node: torch.fx.Node) -> bool:
 def _transient(profile, ops: list[torch.fx.Node], event: int) -> int:
     """What a recipe run at the start of backward event ``event`` adds to that event's peak: its
     temporaries (:func:`_recipe_temporaries`) beyond what the event itself allocates after them."""
-    return max(0, _recipe_temporaries(profile, ops) - profile.headroom(event))
+    headroom = profile.headroom(event) if event >= 0 else 0    # (no backward event: none to share with)
+    return max(0, _recipe_temporaries(profile, ops) - headroom)
 
 
 def _recipe_temporaries(profile, ops: list[torch.fx.Node]) -> int:

@@ -2,7 +2,7 @@
 gradient; budgets below the minimum give the typed error."""
 import torch
 import torch.nn as nn
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import autorecompute
@@ -60,6 +60,9 @@ dag_steps = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 50), st.inte
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=dag_steps, two_outputs=st.booleans(), fraction=st.floats(0.05, 1.0), seed=st.integers(0, 3))
+# a rematerialization's first use was one past the last position (an IndexError while planning)
+@example(steps=[("linear", 0, 0)] * 6 + [("linear", 1, 0), ("residual", 2, 3), ("linear", 34, 0), ("linear", 1, 0),
+                                         ("gelu", 0, 0)], two_outputs=False, fraction=1.0, seed=0)
 def test_random_dags_fit_or_raise(steps, two_outputs, fraction, seed):
     torch.manual_seed(seed)
     model = RandomDAG(steps, two_outputs)
