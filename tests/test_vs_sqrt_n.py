@@ -19,6 +19,7 @@ from harness import measured_step
 
 
 def step_flops(module, case) -> int:
+    case.model.zero_grad()              # a step as its plan was made: without gradients
     with FlopCounterMode(display=False) as counter:
         run_step(module, case.args, case.kwargs)
     return counter.get_total_flops()
