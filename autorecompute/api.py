@@ -52,10 +52,10 @@ def input_signature(args: tuple, kwargs: dict) -> str:
     """What a plan depends on, readable: shapes, dtypes, devices, requires_grad of tensors; other values by
     repr; keyword names; an enclosing ``torch.autocast`` (it changes the dtypes, so the sizes, of the step).
     ``input_signature((torch.ones(2, 3),), {}) == "(float32[2, 3]@cpu)"``."""
-    flat = [*tree_flatten(list(args))[0], *tree_flatten(list(kwargs.values()))[0]]
-    parts = [_describe(v) for v in tree_flatten(list(args))[0]]
-    parts += [f"{k}={_describe(v)}" for k, value in kwargs.items() for v in tree_flatten(value)[0]]
-    devices = {v.device.type for v in flat if isinstance(v, torch.Tensor)}
+    named = [("", v) for v in tree_flatten(list(args))[0]]
+    named += [(f"{k}=", v) for k, value in kwargs.items() for v in tree_flatten(value)[0]]
+    parts = [f"{name}{_describe(v)}" for name, v in named]
+    devices = {v.device.type for _, v in named if isinstance(v, torch.Tensor)}
     return f"({', '.join(parts)}){_autocast_state(devices)}"
 
 
@@ -76,8 +76,8 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _cache_key(args: tuple, kwargs: dict) -> str:
-    return f"{input_signature(args, kwargs)} {tree_flatten((args, kwargs))[1]}"   # + the nesting structure
+def _cache_key(signature: str, args: tuple, kwargs: dict) -> str:
+    return f"{signature} {tree_flatten((args, kwargs))[1]}"   # + the nesting structure
 
 
 class CompiledModule(torch.nn.Module):
@@ -173,8 +173,8 @@ class CompiledModule(torch.nn.Module):
         return self._planned(args, kwargs).plan
 
     def _planned(self, args: tuple, kwargs: dict) -> Planned:
-        key = _cache_key(args, kwargs)
-        signature = input_signature(args, kwargs)
+        signature = input_signature(args, kwargs)    # every call: computed once, the key made from it
+        key = _cache_key(signature, args, kwargs)
         planned = self._plans.get(key)
         new = planned is None
         grads = tensor_bytes([p.grad for p in self._model.parameters() if p.grad is not None])

@@ -189,8 +189,7 @@ def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forw
     Compress: the casts' bytes, plus a small penalty per byte for the loss of precision.
     """
     pack = min(saver_positions, default=act.hold_start - 1)
-    first_use = (first_backward_use(saver_backward, last, num_forward) if saver_backward
-                 else min(last, max(act.save_end, num_forward)))
+    first_use = first_backward_use(saver_backward or [act.save_end], last, num_forward)
     options = []
     if offload is not None:
         write = act.nbytes / offload.write_bytes_per_second
