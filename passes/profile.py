@@ -20,7 +20,9 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from autorecompute.passes.fake import fake_step
-from autorecompute.runtime.memory import LiveStorageTracker, output_tensors_for_backward, tensor_bytes
+from autorecompute.runtime import workspaces
+from autorecompute.runtime.memory import (LiveStorageTracker, device_bytes_outside, output_tensors_for_backward,
+                                          tensor_bytes)
 
 META_KEY = "autorecompute"
 
@@ -247,17 +249,31 @@ class _Profiler(torch.fx.Interpreter):
 def profile_step(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> StepProfile:
     """Runs one fake forward + backward of ``gm`` and annotates it (see module docstring).
 
-    ``args``/``kwargs`` are the real (or meta) example inputs; nothing real is allocated.
+    ``args``/``kwargs`` are the real (or meta) example inputs; nothing real is allocated, except on a CUDA
+    device the first time an op signature is met: its kernel's workspace is then measured there
+    (:mod:`autorecompute.runtime.workspaces`) and the step profiled again with it.
     """
+    profile = _profile_once(gm, args, kwargs)
+    if workspaces.has_pending():
+        workspaces.probe_pending()
+        profile = _profile_once(gm, args, kwargs)
+    return profile
+
+
+def _profile_once(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> StepProfile:
     from torch.fx._pytree import tree_flatten_spec
 
     params = list(gm.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
     resident = {
         "parameters": tensor_bytes(params),
         "buffers": tensor_bytes(list(gm.buffers())),
         "inputs": tensor_bytes([args, kwargs]),
-        "gradients": tensor_bytes([p.grad for p in params if p.grad is not None]),
+        "gradients": tensor_bytes(grads),
     }
+    other = device_bytes_outside([params, list(gm.buffers()), grads, args, kwargs])
+    if other:       # CUDA only: workspaces, optimizer state, other tensors, the allocator's slack
+        resident["other on device"] = other
     parameter_grad_bytes = tensor_bytes([p for p in params if p.requires_grad and p.grad is None])
     with fake_step(gm, args, kwargs) as (fake_args, fake_kwargs):
         flat_args = tree_flatten_spec((list(fake_args), fake_kwargs), gm._in_spec) \

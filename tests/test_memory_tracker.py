@@ -38,3 +38,37 @@ def test_linear_relu_step_matches_hand_count():
     mem = measure_step(model, (x,))
     assert mem.resident == 2 * MIB            # weight + input
     assert mem.tracked_peak == 4 * MIB        # h/out, seed, grad_h, grad_W at the end of backward
+
+
+def test_a_cuda_kernels_measured_workspace_is_live_during_its_call(monkeypatch):
+    """Scratch a CUDA kernel takes inside one call (cuDNN convolutions, reductions) is no tensor; measured
+    once per op signature on the device, the tracker adds it at every call — here on fake CUDA tensors, the
+    probe replaced by a fixed measurement (this machine may have no GPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autorecompute.runtime import workspaces
+
+    monkeypatch.setattr(workspaces, "_measured", {})
+    monkeypatch.setattr(workspaces, "_pending", {})
+    with FakeTensorMode():
+        a = torch.empty(512, 512, device="cuda")
+        first = LiveStorageTracker()
+        with first:
+            b = torch.mm(a, a)
+            del b
+        assert first.peak == MIB                 # not measured yet: queued, counted 0
+        assert workspaces.has_pending()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(workspaces, "_probe", lambda func, spec, described: 3 * MIB)
+        assert workspaces.probe_pending() == 1 and not workspaces.has_pending()
+        again = LiveStorageTracker()
+        with again:
+            b = torch.mm(a, a)               # same signature: its workspace on top of its output
+            c = torch.mm(a[:256], a)         # another signature: queued, counted 0
+            del b, c
+        assert again.peak == MIB + 3 * MIB
+        assert workspaces.has_pending()
+        cpu = LiveStorageTracker()
+        with cpu:
+            torch.mm(torch.ones(512, 512), torch.ones(512, 512))
+        assert cpu.peak == 3 * MIB               # two inputs and the output; CPU ops are never probed

@@ -173,26 +173,43 @@ def test_saved_views_restore_and_a_retained_graph_backwards_twice(tmp_path):
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@cuda
-def test_cuda_offload_to_pinned_host_memory_fits_the_allocator_peak():
-    """On CUDA the budget holds on torch.cuda.max_memory_allocated, copies run on a side stream."""
-    torch.manual_seed(0)
-    case = models.ACTIVATION_HEAVY["gpt"]()
-    model = case.model.cuda()
-    args = tuple(a.cuda() for a in case.args)
-    model(*args).float().sum().backward()
-    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    compiled = autorecompute.compile(model, budget=0.6, actions=("offload",), solver_time_limit=SOLVER_TIME)
-    compiled.prepare(*args)
+def _cuda_step(module, args) -> int:
+    """``torch.cuda.max_memory_allocated`` over one step (same dropout masks every time)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    compiled(*args).float().sum().backward()
+    torch.manual_seed(0)
+    module(*args).float().sum().backward()
     torch.cuda.synchronize()
-    assert compiled.plan.count("offload") > 0
-    assert torch.cuda.max_memory_allocated() <= compiled.plan.budget
+    return torch.cuda.max_memory_allocated()
+
+
+@cuda
+# VGG's cuDNN backward workspaces (140 MiB at batch 128 on an H200) can leave little for a plan to win
+@pytest.mark.parametrize("name, actions, must_act", [("gpt", ("offload",), True), ("vgg", ("recompute",), False)])
+def test_the_allocator_peak_on_cuda_stays_under_the_budget(name, actions, must_act):
+    """On CUDA the budget holds on ``torch.cuda.max_memory_allocated``: cuBLAS workspaces and other
+    allocations on the device are counted as resident, cuDNN's convolution workspaces (VGG) are measured
+    per op, offload copies run on a side stream into pinned memory. The budget is halfway between the
+    minimum and the unoptimized peak, so the plan has to act."""
+    torch.manual_seed(0)
+    case = models.ACTIVATION_HEAVY[name]() if name in models.ACTIVATION_HEAVY else models.make(name)
+    model = case.model.cuda()
+    args = tuple(a.cuda() for a in case.args)
+    _cuda_step(model, args)
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(autorecompute.InfeasibleBudgetError) as info:
+        autorecompute.plan(model, *args, budget=1, actions=actions, solver_time_limit=SOLVER_TIME)
+    probe = autorecompute.plan(model, *args, budget=1.0, actions=actions, solver_time_limit=SOLVER_TIME)
+    budget = (info.value.minimum + probe.baseline_peak) // 2
+    compiled = autorecompute.compile(model, budget=budget, actions=actions, solver_time_limit=SOLVER_TIME)
+    compiled.prepare(*args)
+    assert compiled.plan.resident["other on device"] > 0       # the cuBLAS workspaces at least
+    peak = _cuda_step(compiled, args)
+    assert compiled.plan.count(actions[0]) > 0 or not must_act
+    assert peak <= budget, (peak, budget)
     for n, p in model.named_parameters():
-        # offload restores saved tensors exactly; the tolerance only absorbs CUDA's nondeterministic kernels
+        # lossless actions; the tolerance only absorbs CUDA's nondeterministic kernels (atomics)
         torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-6)
 
 

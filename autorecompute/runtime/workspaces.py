@@ -1,0 +1,161 @@
+"""Kernel workspaces: device memory an op allocates and frees inside itself, which no tensor shows.
+
+On CUDA many kernels take scratch memory from the caching allocator for the length of one call: cuDNN
+convolutions (their backward above all), layer-norm and embedding backward, reductions, fused attention.
+``torch.cuda.max_memory_allocated`` counts it, fake tensors cannot see it. So the first time a plan meets an
+op signature on a CUDA device (the op, its tensors' shapes, strides and dtypes, its other arguments), the
+op is run once on the real device with made-up inputs and its scratch measured: the allocator's peak
+during the call less what is still allocated after it (the outputs). The
+:class:`~autorecompute.runtime.memory.LiveStorageTracker` adds that scratch to the live bytes at every call
+of the op, on fake and real tensors alike, so profiles, verification and measurements all include it.
+
+Probing resets the device's peak-memory statistics (``torch.cuda.reset_peak_memory_stats``); it runs while
+planning, before a step. Ops that draw random numbers or whose outputs depend on their data are not
+probed (made-up inputs could trip them); integer inputs are zeros (valid indices) and floating-point
+inputs lie in [0, 1) (valid probabilities), so the probe never feeds an op what it would reject.
+
+Example (measures nothing off CUDA):
+    >>> workspace_bytes(torch.ops.aten.mm.default, (torch.ones(2, 2), torch.ones(2, 2)), {})
+    0
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+log = logging.getLogger(__name__)
+
+_SKIPPED_TAGS = (torch.Tag.nondeterministic_seeded, torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
+_SKIPPED_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+
+_lock = threading.Lock()
+_measured: dict[tuple, int] = {}          # signature → scratch bytes
+_pending: dict[tuple, tuple] = {}         # signature → (op, treespec, leaves) to probe
+
+
+@dataclass(frozen=True)
+class _TensorLike:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _probed_op(func) -> bool:
+    return (isinstance(func, torch._ops.OpOverload) and func.namespace == "aten" and not func.is_view
+            and func not in _SKIPPED_OPS and not any(tag in func.tags for tag in _SKIPPED_TAGS))
+
+
+def _signature(func, args, kwargs) -> tuple[tuple, Any, list] | None:
+    """(key, treespec, leaves) for an op call with a tensor on a CUDA device, else None."""
+    leaves, spec = tree_flatten((args, kwargs))
+    key, described, on_cuda = [func], [], False
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            like = _TensorLike(tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device)
+            on_cuda = on_cuda or leaf.device.type == "cuda"
+            key.append(like)
+            described.append(like)
+        else:
+            try:
+                hash(leaf)
+            except TypeError:
+                return None
+            key.append(leaf)
+            described.append(leaf)
+    if not on_cuda:
+        return None
+    return tuple(key), spec, described
+
+
+def workspace_bytes(func, args, kwargs) -> int:
+    """The scratch bytes one call of ``func`` takes on its CUDA device, as measured; 0 off CUDA, for ops not
+    probed, and for a signature not measured yet (it is then queued for :func:`probe_pending`)."""
+    if func in _SKIPPED_OPS or not _probed_op(func):
+        return 0
+    signature = _signature(func, args, kwargs or {})
+    if signature is None:
+        return 0
+    key, spec, described = signature
+    with _lock:
+        scratch = _measured.get(key)
+        if scratch is None:
+            _pending.setdefault(key, (func, spec, described))
+            return 0
+    return scratch
+
+
+def has_pending() -> bool:
+    return bool(_pending)
+
+
+def probe_pending() -> int:
+    """Measures every queued signature on its device; returns how many were measured. Signatures that
+    cannot be measured (no CUDA here, the op refuses made-up inputs) count 0 scratch, logged."""
+    with _lock:
+        pending = list(_pending.items())
+        _pending.clear()
+    for key, (func, spec, described) in pending:
+        try:
+            scratch = _probe(func, spec, described) if torch.cuda.is_available() else 0
+        except Exception as error:    # noqa: BLE001 — a probe must never stop planning; logged, counted 0
+            log.warning("could not measure the workspace of %s: %s", func, error)
+            scratch = 0
+        with _lock:
+            _measured[key] = scratch
+        if scratch:
+            log.debug("workspace of %s: %d bytes", func, scratch)
+    return len(pending)
+
+
+def _materialize(leaf):
+    if not isinstance(leaf, _TensorLike):
+        return leaf
+    numel = 1 + sum((size - 1) * stride for size, stride in zip(leaf.shape, leaf.stride)) \
+        if all(leaf.shape) else 0
+    if leaf.dtype.is_floating_point or leaf.dtype.is_complex:
+        base = torch.rand(numel, dtype=leaf.dtype, device=leaf.device)
+    else:
+        base = torch.zeros(numel, dtype=leaf.dtype, device=leaf.device)
+    return base.as_strided(leaf.shape, leaf.stride)
+
+
+def _probe(func, spec, described) -> int:
+    device = next(leaf.device for leaf in described if isinstance(leaf, _TensorLike) and leaf.device.type == "cuda")
+    args, kwargs = tree_unflatten([_materialize(leaf) for leaf in described], spec)
+    scratch = 0
+    # twice: a first call may pick its algorithm (cudnn.benchmark) with trial workspaces a later one skips
+    for _ in range(2):
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = func(*args, **kwargs)
+        torch.cuda.synchronize(device)
+        scratch = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+        del out
+    return max(0, scratch)
+
+
+def warm_up_blas(device: torch.device) -> None:
+    """Creates the cuBLAS and cuBLASLt handles (and their workspaces, tens of MB that stay allocated) of the
+    current stream on ``device``, so that memory counted as already allocated includes them."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    if key in _warmed:
+        return
+    _warmed.add(key)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        try:
+            a = torch.zeros(16, 16, dtype=dtype, device=device)
+            torch.mm(a, a)
+            torch.addmm(a[0], a, a)
+            torch.bmm(a[None], a[None])
+        except RuntimeError:   # a dtype the device lacks
+            continue
+    torch.cuda.synchronize(device)
+
+
+_warmed: set = set()
