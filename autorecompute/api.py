@@ -11,10 +11,10 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from autorecompute.budget import format_bytes, parse_budget
-from autorecompute.errors import GradientsWarning, ReplanningWarning
+from autorecompute.errors import ReplanningWarning
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
-from autorecompute.runtime.memory import tensor_bytes
+from autorecompute.runtime.memory import ALLOCATOR_SLACK, device_bytes_outside, tensor_bytes
 from autorecompute.transfer import TransferModel
 
 log = logging.getLogger("autorecompute")
@@ -76,6 +76,26 @@ def _user_stacklevel() -> int:
     return level
 
 
+def gradient_state(model: torch.nn.Module) -> str:
+    """The part of a step's starting state a plan depends on beyond its inputs: gradients that exist when it
+    starts (from the second micro-batch of gradient accumulation on, or kept by
+    ``zero_grad(set_to_none=False)``) are resident from its first op, where a step that starts without them
+    makes them during backward. ``""`` when none exist, else " with gradients of 3 parameters (1.50 KiB)".
+
+    Example:
+        >>> m = torch.nn.Linear(16, 16)
+        >>> gradient_state(m)
+        ''
+        >>> m(torch.ones(1, 16)).sum().backward()
+        >>> gradient_state(m)
+        ' with gradients of 2 parameters (1.06 KiB)'
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return ""
+    return f" with gradients of {len(grads)} parameters ({format_bytes(tensor_bytes(grads))})"
+
+
 def _cache_key(signature: str, args: tuple, kwargs: dict) -> str:
     return f"{signature} {tree_flatten((args, kwargs))[1]}"   # + the nesting structure
 
@@ -99,7 +119,6 @@ class CompiledModule(torch.nn.Module):
         self.__dict__["_budget"] = budget
         self.__dict__["_options"] = options
         self.__dict__["_plans"] = {}
-        self.__dict__["_grads_planned"] = {}   # cache key → bytes of the gradients that existed when planned
         self.__dict__["_last"] = None
         self.training = model.training
 
@@ -115,8 +134,7 @@ class CompiledModule(torch.nn.Module):
         # the same model, so the same plans: kept (in a cache of the copy's own); copy's default would go
         # through __getstate__ and drop them, planning again on the copy's first training call
         copied = type(self).__new__(type(self))
-        copied.__setstate__({**self.__getstate__(keep_plans=True), "_plans": dict(self._plans),
-                             "_grads_planned": dict(self._grads_planned)})
+        copied.__setstate__({**self.__getstate__(keep_plans=True), "_plans": dict(self._plans)})
         return copied
 
     def __getstate__(self, keep_plans: bool = False) -> dict:
@@ -125,7 +143,7 @@ class CompiledModule(torch.nn.Module):
         # training call after loading. nn.Module's own state first (it drops what Module.compile() bound)
         state = super().__getstate__()
         if not keep_plans:
-            state.update(_plans={}, _last=None, _grads_planned={})
+            state.update(_plans={}, _last=None)
         return state
 
     @property
@@ -173,29 +191,18 @@ class CompiledModule(torch.nn.Module):
         return self._planned(args, kwargs).plan
 
     def _planned(self, args: tuple, kwargs: dict) -> Planned:
-        signature = input_signature(args, kwargs)    # every call: computed once, the key made from it
+        # every call: the signature computed once, the key made from it; the gradients that exist make a
+        # state of their own (gradient accumulation: the first micro-batch makes them, the later ones start
+        # with them resident)
+        signature = input_signature(args, kwargs) + gradient_state(self._model)
         key = _cache_key(signature, args, kwargs)
         planned = self._plans.get(key)
-        new = planned is None
-        grads = tensor_bytes([p.grad for p in self._model.parameters() if p.grad is not None])
+        new = planned is None or self._device_grew(planned, args, kwargs)
         if new:
             log.info("planning %s for %s", type(self._model).__name__, signature)
             with torch.random.fork_rng(devices=[]):   # planning must not move the user's RNG stream
                 planned = make_plan(self._model, args, kwargs, self._budget, self._options, signature)
             self._plans[key] = planned
-            self._grads_planned[key] = grads
-        elif grads > self._grads_planned.get(key, grads):
-            # once per plan: gradient accumulation would repeat it every micro-batch
-            extra, self._grads_planned[key] = grads - self._grads_planned[key], grads
-            warnings.warn(
-                f"this step of {type(self._model).__name__} starts with {format_bytes(extra)} more gradients "
-                f"than when its plan for {signature} was made: they are resident from its first op (a step "
-                "without them makes them during backward), so its peak can exceed the budget by up to that "
-                "much. Fix: zero_grad(set_to_none=True) before each step; for gradient accumulation, give "
-                "every parameter its gradient before the first compiled call (p.grad = torch.zeros_like(p)) "
-                "and zero it with zero_grad(set_to_none=False): the plan then counts them from the first op.",
-                GradientsWarning,
-                stacklevel=_user_stacklevel())
         self.__dict__["_last"] = planned
         count = len(self._plans)
         if new and count >= MANY_SIGNATURES and count & (count - 1) == 0:      # the 8th, 16th, 32nd... plan
@@ -206,6 +213,22 @@ class CompiledModule(torch.nn.Module):
                 "64 or to the longest, drop or pad the last batch).", ReplanningWarning,
                 stacklevel=_user_stacklevel())
         return planned
+
+    def _device_grew(self, planned: Planned, args: tuple, kwargs: dict) -> bool:
+        """Whether more is allocated on the CUDA device than when ``planned`` was made (optimizer state
+        created by the first ``optimizer.step()``, tensors the program keeps): the plan counted what was
+        there, so it is made again, counting this (once per growth beyond the allocator's slack)."""
+        counted = planned.plan.resident.get("other on device")
+        if counted is None:        # not planned on a CUDA device
+            return False
+        params = list(self._model.parameters())
+        now = device_bytes_outside([params, list(self._model.buffers()),
+                                    [p.grad for p in params if p.grad is not None], args, kwargs])
+        if now <= counted + ALLOCATOR_SLACK:
+            return False
+        log.info("%s more allocated on the device than when the plan for %s was made: planning again",
+                 format_bytes(now - counted), planned.plan.signature)
+        return True
 
     def forward(self, *args, **kwargs):
         if not self._wants_plan(args, kwargs):
@@ -287,5 +310,6 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
         0
     """
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
-    planned: Planned = make_plan(model, args, kwargs, budget, options, input_signature(args, kwargs))
+    planned: Planned = make_plan(model, args, kwargs, budget, options,
+                                 input_signature(args, kwargs) + gradient_state(model))
     return planned.plan

@@ -47,9 +47,3 @@ class OffloadError(AutorecomputeError, OSError):
 class ReplanningWarning(UserWarning):
     """A compiled module has planned many input signatures: inputs whose shapes change from step to step are
     captured and solved again each time (seconds), and each plan is kept."""
-
-
-class GradientsWarning(UserWarning):
-    """A step starts with gradients that the plan for its inputs was made without (gradient accumulation
-    after the first micro-batch, ``zero_grad(set_to_none=False)``): they are resident from its first op, so
-    its peak can exceed the budget by up to their size."""

@@ -64,6 +64,7 @@ def plan_status(plan) -> str:
 
 
 def step_flops(module, case) -> int:
+    case.model.zero_grad(set_to_none=True)      # every step starts as its plan was made: without gradients
     with FlopCounterMode(display=False) as counter:
         run_step(module, case.args, case.kwargs)
     return counter.get_total_flops()
@@ -75,6 +76,7 @@ def wall_ratio(reference, module, case, reps: int) -> float:
     for _ in range(reps):
         times = []
         for m in (reference, module):
+            case.model.zero_grad(set_to_none=True)
             started = time.perf_counter()
             run_step(m, case.args, case.kwargs)
             times.append(time.perf_counter() - started)
@@ -88,10 +90,12 @@ def head_to_head(reference, modules: dict, case, reps: int) -> dict:
     ratios = {name: [] for name in modules}
     order = list(modules)
     for i in range(reps):
+        case.model.zero_grad(set_to_none=True)
         started = time.perf_counter()
         run_step(reference, case.args, case.kwargs)
         base = time.perf_counter() - started
         for name in order[i % len(order):] + order[:i % len(order)]:
+            case.model.zero_grad(set_to_none=True)
             started = time.perf_counter()
             run_step(modules[name], case.args, case.kwargs)
             ratios[name].append((time.perf_counter() - started) / base)

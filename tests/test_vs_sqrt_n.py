@@ -43,18 +43,20 @@ def test_fewer_recompute_flops_than_sqrt_n_at_its_peak(name, blocks):
     assert ours_extra < sqrt_n_extra
 
 
-@pytest.mark.parametrize("name", ["gpt", "mlp", "llama"])
-def test_plan_counts_the_flops_backward_runs_again(name):
+# MLP at 0.6 rematerializes GELUs alone (0 FLOPs to FlopCounterMode): at 0.5 matmuls run again too
+@pytest.mark.parametrize("name, budget", [("gpt", 0.6), ("mlp", 0.5), ("llama", 0.6)])
+def test_plan_counts_the_flops_backward_runs_again(name, budget):
     """The plan's extra FLOPs are FlopCounterMode's: a region is recomputed only up to its last save
     (checkpoint's early stop), so a matmul ending a region is not run again and not counted."""
     case = models.make(name)
     eager_flops = step_flops(case.model, case)
     eager_peak = measured_step(case.model, case.model, case.args, case.kwargs).peak
-    compiled = autorecompute.compile(case.model, budget=0.6, actions=("recompute",), objective="flops")
+    compiled = autorecompute.compile(case.model, budget=budget, actions=("recompute",), objective="flops")
+    case.model.zero_grad()          # planned in the state the counted step starts from (else it plans inside it)
     compiled.prepare(*case.args, **case.kwargs)
     assert compiled.plan.extra_flops > 0
     assert step_flops(compiled, case) - eager_flops == compiled.plan.extra_flops
-    assert measured_step(compiled, case.model, case.args, case.kwargs).peak <= 0.6 * eager_peak
+    assert measured_step(compiled, case.model, case.args, case.kwargs).peak <= budget * eager_peak
 
 
 class Scores(torch.nn.Module):
