@@ -14,7 +14,7 @@ from autorecompute.budget import format_bytes, parse_budget
 from autorecompute.errors import ReplanningWarning
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
-from autorecompute.runtime.memory import ALLOCATOR_SLACK, device_bytes_outside, tensor_bytes
+from autorecompute.runtime.memory import ALLOCATOR_SLACK, device_bytes_outside, step_state, tensor_bytes
 from autorecompute.transfer import TransferModel
 
 log = logging.getLogger("autorecompute")
@@ -221,9 +221,7 @@ class CompiledModule(torch.nn.Module):
         counted = planned.plan.resident.get("other on device")
         if counted is None:        # not planned on a CUDA device
             return False
-        params = list(self._model.parameters())
-        now = device_bytes_outside([params, list(self._model.buffers()),
-                                    [p.grad for p in params if p.grad is not None], args, kwargs])
+        now = device_bytes_outside(step_state(self._model, args, kwargs))
         if now <= counted + ALLOCATOR_SLACK:
             return False
         log.info("%s more allocated on the device than when the plan for %s was made: planning again",

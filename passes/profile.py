@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autorecompute.passes.fake import fake_step
 from autorecompute.runtime import workspaces
 from autorecompute.runtime.memory import (LiveStorageTracker, device_bytes_outside, output_tensors_for_backward,
-                                          tensor_bytes)
+                                          step_state, tensor_bytes)
 
 META_KEY = "autorecompute"
 
@@ -253,11 +253,7 @@ def profile_step(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> StepPro
     device the first time an op signature is met: its kernel's workspace is then measured there
     (:mod:`autorecompute.runtime.workspaces`) and the step profiled again with it.
     """
-    profile = _profile_once(gm, args, kwargs)
-    if workspaces.has_pending():
-        workspaces.probe_pending()
-        profile = _profile_once(gm, args, kwargs)
-    return profile
+    return workspaces.with_workspaces(lambda: _profile_once(gm, args, kwargs))
 
 
 def _profile_once(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> StepProfile:
@@ -271,7 +267,7 @@ def _profile_once(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> StepPr
         "inputs": tensor_bytes([args, kwargs]),
         "gradients": tensor_bytes(grads),
     }
-    other = device_bytes_outside([params, list(gm.buffers()), grads, args, kwargs])
+    other = device_bytes_outside(step_state(gm, args, kwargs))
     if other:       # CUDA only: workspaces, optimizer state, other tensors, the allocator's slack
         resident["other on device"] = other
     parameter_grad_bytes = tensor_bytes([p for p in params if p.requires_grad and p.grad is None])

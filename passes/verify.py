@@ -18,10 +18,10 @@ def fake_step_memory(module: torch.nn.Module, args: tuple, kwargs: dict) -> Step
     The resident part is counted on the real state and inputs (fake storages are not tracked as "existing").
     """
     resident = resident_bytes(module, args, kwargs)
-    with fake_step(module, args, kwargs) as (fake_args, fake_kwargs):
-        measured = measure_step(module, fake_args, fake_kwargs)
-    if workspaces.has_pending():     # CUDA op signatures the profile did not meet: measure them, then again
-        workspaces.probe_pending()
+
+    def measured() -> StepMemory:
         with fake_step(module, args, kwargs) as (fake_args, fake_kwargs):
-            measured = measure_step(module, fake_args, fake_kwargs)
-    return StepMemory(resident=resident, tracked_peak=measured.tracked_peak)
+            return measure_step(module, fake_args, fake_kwargs)
+
+    # CUDA op signatures the profile did not meet (a rewrite's copies) are measured, then the step again
+    return StepMemory(resident=resident, tracked_peak=workspaces.with_workspaces(measured).tracked_peak)

@@ -106,11 +106,16 @@ def tensor_bytes(values: Iterable[Any]) -> int:
     return sum(seen.values())
 
 
+def step_state(module: torch.nn.Module, args: tuple, kwargs: dict) -> list:
+    """What is live before a step: parameters, buffers, existing gradients and the inputs."""
+    params = list(module.parameters())
+    return [*params, *module.buffers(), *[p.grad for p in params if p.grad is not None], args, kwargs]
+
+
 def resident_bytes(module: torch.nn.Module, args: tuple, kwargs: dict) -> int:
-    """Bytes live before a step: parameters, buffers, existing gradients and the inputs, and on a CUDA
-    device whatever else is allocated there (:func:`device_bytes_outside`)."""
-    state = [*module.parameters(), *module.buffers(), *[p.grad for p in module.parameters() if p.grad is not None],
-             args, kwargs]
+    """Bytes live before a step (:func:`step_state`), and on a CUDA device whatever else is allocated there
+    (:func:`device_bytes_outside`)."""
+    state = step_state(module, args, kwargs)
     return tensor_bytes(state) + device_bytes_outside(state)
 
 

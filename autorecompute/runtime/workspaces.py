@@ -23,12 +23,13 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _SKIPPED_TAGS = (torch.Tag.nondeterministic_seeded, torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 _SKIPPED_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
@@ -36,6 +37,7 @@ _SKIPPED_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.
 _lock = threading.Lock()
 _measured: dict[tuple, int] = {}          # signature → scratch bytes
 _pending: dict[tuple, tuple] = {}         # signature → (op, treespec, leaves) to probe
+_warmed: set = set()                      # (device, stream) whose BLAS handles exist
 
 
 @dataclass(frozen=True)
@@ -52,31 +54,25 @@ def _probed_op(func) -> bool:
 
 
 def _signature(func, args, kwargs) -> tuple[tuple, Any, list] | None:
-    """(key, treespec, leaves) for an op call with a tensor on a CUDA device, else None."""
+    """(key, treespec, leaves) for an op call with a tensor on a CUDA device, else None; the key is the op
+    and the leaves (tensors described by shape, stride, dtype and device)."""
     leaves, spec = tree_flatten((args, kwargs))
-    key, described, on_cuda = [func], [], False
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            like = _TensorLike(tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device)
-            on_cuda = on_cuda or leaf.device.type == "cuda"
-            key.append(like)
-            described.append(like)
-        else:
-            try:
-                hash(leaf)
-            except TypeError:
-                return None
-            key.append(leaf)
-            described.append(leaf)
-    if not on_cuda:
+    described = [_TensorLike(tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device)
+                 if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    if not any(isinstance(leaf, _TensorLike) and leaf.device.type == "cuda" for leaf in described):
         return None
-    return tuple(key), spec, described
+    key = (func, *described)
+    try:
+        hash(key)
+    except TypeError:          # an argument that cannot key a table (a list inside a leaf): not probed
+        return None
+    return key, spec, described
 
 
 def workspace_bytes(func, args, kwargs) -> int:
     """The scratch bytes one call of ``func`` takes on its CUDA device, as measured; 0 off CUDA, for ops not
     probed, and for a signature not measured yet (it is then queued for :func:`probe_pending`)."""
-    if func in _SKIPPED_OPS or not _probed_op(func):
+    if not _probed_op(func):
         return 0
     signature = _signature(func, args, kwargs or {})
     if signature is None:
@@ -92,6 +88,16 @@ def workspace_bytes(func, args, kwargs) -> int:
 
 def has_pending() -> bool:
     return bool(_pending)
+
+
+def with_workspaces(run: Callable[[], T]) -> T:
+    """``run()`` (a fake step under a tracker), and again once the CUDA op signatures it met for the first
+    time are measured, so its peak includes their workspaces."""
+    result = run()
+    if has_pending():
+        probe_pending()
+        result = run()
+    return result
 
 
 def probe_pending() -> int:
@@ -157,5 +163,3 @@ def warm_up_blas(device: torch.device) -> None:
             continue
     torch.cuda.synchronize(device)
 
-
-_warmed: set = set()
