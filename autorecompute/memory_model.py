@@ -5,10 +5,11 @@ checks both on every assignment of small problems). Regions are the maximal runs
 ``problem.chain``. For an activation ``t`` owned by op ``o``:
 
 * ``t`` is *held by autograd* after its last forward use while a saver of ``t`` is not recomputed, until
-  the last saver's backward (``save_end``);
+  the latest backward of its kept savers (``saver_end``; a recomputed saver's region makes its own copy);
 * ``t`` is *held as a region input* when a recomputed reader of ``t`` lies in another region than ``o``
-  (or ``o`` is kept): the checkpoint keeps its inputs until the region's backward is done (``read_end``);
-  being held as an input also keeps it over ``[hold_start, save_end]``;
+  (or ``o`` is kept): the checkpoint keeps its inputs until the region's backward is done (``read_end``,
+  at least ``save_end``);
+* held, it is on the device from ``hold_start`` to the latest end of what holds it;
 * when ``o``'s region is recomputed in backward, ``t`` is materialized again and lives until its earliest
   saver's backward: at the backward of op ``j`` it counts iff ``o`` and ``j`` are in one region and the
   earliest saver of ``t`` is at or before ``j`` in the chain;
@@ -94,13 +95,15 @@ class Timeline:
 Stash = Mapping[str, str]   # activation name → StashOption.action
 
 
-def _holders(act, region: list[int], index: Mapping[str, int]) -> tuple[int, bool, bool]:
-    """``(owner's region, held as a region input, held by a kept saver)`` of ``act``."""
+def _holders(act, region: list[int], index: Mapping[str, int]) -> tuple[int, bool, bool, int]:
+    """``(owner's region, held as a region input, held by a kept saver, last position anything holds it)``
+    of ``act`` (-1: nothing does)."""
     owner_region = region[index[act.owner]] if act.owner in index else -1
     as_input = any(region[index[c]] >= 0 and region[index[c]] != owner_region for c in act.readers
                    if c in index)
-    by_saver = any(region[index[s]] < 0 if s in index else True for s in act.savers)
-    return owner_region, as_input, by_saver
+    saver_end = max((act.saver_end(i) for i, s in enumerate(act.savers)
+                     if s not in index or region[index[s]] < 0), default=-1)
+    return owner_region, as_input, saver_end >= 0, max(act.read_end if as_input else -1, saver_end)
 
 
 def stash_valid(option, recompute: Mapping[str, bool], stashed: Stash | set[str]) -> bool:
@@ -129,7 +132,7 @@ def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stas
     stashed = set(taken)
 
     def can_stash(act) -> bool:
-        _, as_input, by_saver = _holders(act, region, index)
+        _, as_input, by_saver, _ = _holders(act, region, index)
         return bool(act.savers) and act.save_end >= act.hold_start and by_saver and not as_input
 
     effective = {}
@@ -161,20 +164,17 @@ def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None
     effective = effective_stash(problem, recompute, stash)
     made_by = delivered(problem, effective)
     for act in problem.activations:
-        owner_region, as_input, by_saver = _holders(act, region, index)
-        if act.savers and (by_saver or as_input) and act.save_end >= act.hold_start:
-            option = problem.stash_option(act.name, effective.get(act.name))
-            if option is not None:
-                yield act, option.stored_from, act.save_end, "stashed", option.stored_bytes
-                yield act, option.restored_from, act.save_end, "stashed", act.nbytes
-                if option.transient_bytes:   # the recipe's temporaries, while it runs
-                    yield act, option.restored_from, option.restored_from, "stashed", option.transient_bytes
-            elif act.name in made_by:
-                yield act, made_by[act.name].restored_from, act.save_end, "stashed", act.nbytes
-            else:
-                yield act, act.hold_start, act.save_end, "held", act.nbytes
-        if as_input and act.read_end >= max(act.hold_start, act.save_end + 1):
-            yield act, max(act.hold_start, act.save_end + 1), act.read_end, "held", act.nbytes
+        owner_region, as_input, by_saver, hold_end = _holders(act, region, index)
+        option = problem.stash_option(act.name, effective.get(act.name))
+        if option is not None:     # (effective: a kept saver holds it, no region does)
+            yield act, option.stored_from, act.save_end, "stashed", option.stored_bytes
+            yield act, option.restored_from, act.save_end, "stashed", act.nbytes
+            if option.transient_bytes:   # the recipe's temporaries, while it runs
+                yield act, option.restored_from, option.restored_from, "stashed", option.transient_bytes
+        elif act.name in made_by:
+            yield act, made_by[act.name].restored_from, act.save_end, "stashed", act.nbytes
+        elif hold_end >= act.hold_start:
+            yield act, act.hold_start, hold_end, "held", act.nbytes
         first = first_saver.get(act.name)
         if owner_region >= 0 and first is not None and index[first] >= index[act.owner]:
             # alive at the backward of every op from the earliest saver to the end of the owner's region

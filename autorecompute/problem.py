@@ -35,6 +35,8 @@ class Activation:
         readers: chain ops that read it in forward (a recomputed reader's region holds it as an input).
         save_end: last position any saver needs it (a backward position), or -1 without savers.
         read_end: last position a recomputed reader's region may hold it.
+        saver_ends: for each saver, its backward position: autograd holds the tensor to the latest backward
+            of its *kept* savers (a recomputed saver's region makes its own copy; empty: ``save_end`` for each).
     """
 
     name: str
@@ -45,6 +47,11 @@ class Activation:
     readers: tuple[str, ...]
     save_end: int
     read_end: int
+    saver_ends: tuple[int, ...] = ()
+
+    def saver_end(self, i: int) -> int:
+        """The backward position of ``savers[i]``: where it stops holding this tensor."""
+        return self.saver_ends[i] if self.saver_ends else self.save_end
 
 
 @dataclass(frozen=True)

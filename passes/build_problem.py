@@ -113,17 +113,15 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
     for t in profile.tensors.values():
         if t.is_output or t.nbytes == 0:
             continue
-        saver_positions = [backward_position(s) for s in t.savers]
-        save_end = -1
-        if t.savers:
-            save_end = last if None in saver_positions else max(saver_positions)
+        saver_ends = tuple(last if p is None else p for p in (backward_position(s) for s in t.savers))
+        save_end = max(saver_ends, default=-1)
         readers = tuple(c for c in t.readers if c in recomputable and c != t.owner)
         reader_positions = [backward_position(c) for c in readers]
-        read_end = max([save_end, *[last if p is None else p for p in reader_positions]])
         activations.append(Activation(
             name=t.name, owner=t.owner if t.owner in in_chain else f"<{t.owner}>", nbytes=t.nbytes,
             hold_start=t.last_forward_use + 1, savers=tuple(t.savers), readers=readers,
-            save_end=save_end, read_end=read_end))
+            save_end=save_end, read_end=max([save_end, *[last if p is None else p for p in reader_positions]]),
+            saver_ends=saver_ends))
 
     measured = [profile.resident_bytes + p for p in profile.forward_peaks]
     measured += [profile.resident_bytes + p for p in profile.backward_peaks]

@@ -132,7 +132,8 @@ class _Profiler(torch.fx.Interpreter):
         self.position = -1
         self.pending_saves: list[tuple[str, int]] = []
         self.static_saved: dict[str, int] = {}
-        self.grad_fn_owner: dict[int, str] = {}
+        self.grad_fn_owner: dict[int, str] = {}     # id of a grad_fn (while alive) → the node that made it
+        self.shares_backward: dict[str, str] = {}   # node whose output is its input's → that input's maker
         self.order: list[str] = []
         self.forward_peaks: list[int] = []
         self.backward_events: list[str] = []
@@ -169,6 +170,9 @@ class _Profiler(torch.fx.Interpreter):
         self.pending_saves = []
         self.tracker.reset_window_peak()
         flops_before = self.flops_at_last_pack = self.counter.get_total_flops()
+        # the inputs' autograd nodes before the op runs (an in-place op replaces its input's)
+        input_grad_fns = [t.grad_fn for t in tree_flatten([self.env.get(a) for a in n.all_input_nodes])[0]
+                          if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         out = super().run_node(n)
         flops = self.counter.get_total_flops() - flops_before
         forward_peak = self.tracker.reset_window_peak()
@@ -222,9 +226,16 @@ class _Profiler(torch.fx.Interpreter):
                 saves.append(name)
                 self.tensors[name].savers.append(node_name)
         self.pending_saves = []
-        if flat_out and flat_out[0].grad_fn is not None:
-            self.grad_fn_owner.setdefault(id(flat_out[0].grad_fn), n.name)
-            flat_out[0].grad_fn.register_prehook(self._on_backward(n.name))
+        grad_fn = flat_out[0].grad_fn if flat_out else None
+        if grad_fn is not None and any(grad_fn is g for g in input_grad_fns):
+            # the op returned its input (``.to`` its own dtype, dropout with p=0): it has no backward of its
+            # own, and a second hook on the same grad_fn would open an empty event before the real one, so
+            # the real one's memory would be booked at a position where the model no longer holds its inputs
+            if id(grad_fn) in self.grad_fn_owner:   # (not when made outside the graph: an input's)
+                self.shares_backward[n.name] = self.grad_fn_owner[id(grad_fn)]
+        elif grad_fn is not None:
+            self.grad_fn_owner[id(grad_fn)] = n.name
+            grad_fn.register_prehook(self._on_backward(n.name))
         self.infos[n.name] = NodeInfo(
             position=self.position, flops=int(flops), creates=created, reads=reads,
             saves=saves, saves_static_bytes=self.static_saved.get(n.name, 0), backward_event=None,
@@ -295,6 +306,8 @@ def _profile_once(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> StepPr
                 torch.autograd.backward(grads_of, [torch.ones_like(t) for t in grads_of])
             del grads_of
             last = tracker.reset_window_peak()
+            for name, maker in profiler.shares_backward.items():
+                profiler.infos[name].backward_event = profiler.infos[maker].backward_event
             if profiler.backward_events:
                 profiler.backward_peaks.append(last)
                 profiler.backward_peaks[0] = max(profiler.backward_peaks[0], profiler.first_segment_peak)

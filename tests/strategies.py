@@ -24,4 +24,4 @@ def activations(draw, chain: tuple[str, ...], i: int, k: int, backward_position:
     read_end = max([save_end] + [backward_position[r] for r in readers if r != owner])
     return Activation(name=f"t{i}_{k}", owner=owner, nbytes=draw(st.integers(1, 8)) * 1000,
                       hold_start=last_use + 1, savers=savers, readers=tuple(r for r in readers if r != owner),
-                      save_end=save_end, read_end=read_end)
+                      save_end=save_end, read_end=read_end, saver_ends=tuple(backward_position[s] for s in savers))

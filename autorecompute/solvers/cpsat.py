@@ -111,6 +111,24 @@ def _both(model: cp_model.CpModel, a, b, name: str):
     return both
 
 
+def _any(model: cp_model.CpModel, literals: list, name: str):
+    """A Boolean equal to the OR of ``literals`` (the literal itself when there is one)."""
+    if len(literals) == 1:
+        return literals[0]
+    var = model.new_bool_var(name)
+    model.add_max_equality(var, literals)
+    return var
+
+
+def _unless(model: cp_model.CpModel, literal, stashed, name: str):
+    """A Boolean equal to ``literal ∧ ¬stashed`` (``stashed``: a sum of at most one true Boolean)."""
+    var = model.new_bool_var(name)
+    model.add(var <= literal)
+    model.add(var + stashed <= 1)
+    model.add(var >= literal - stashed)
+    return var
+
+
 def byte_unit(problem: Problem) -> int:
     """Divisor for bytes: keeps the largest memory figure near 2**22 so the model stays small-integer."""
     largest = max(max(problem.fixed, default=0), sum(a.nbytes for a in problem.activations), 1)
@@ -230,17 +248,22 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
         as_input = model.new_bool_var(f"held_as_input[{act.name}]")
         # held as input ⇔ any reason
         model.add_max_equality(as_input, input_reasons) if input_reasons else model.add(as_input == 0)
+        saver_kept = [~r[s] if s in r else 1 for s in act.savers]
+        stashed = sum(takers.get(act.name, ()))    # 0 or 1 (at most one taker, below)
+        # Held from its last forward use to the latest end of what holds it (a kept saver, a region holding
+        # it as an input), unless stashed: over (e_next, e] for each distinct end e by "a holder ending at
+        # e or later holds it and it is not stashed".
+        holders = [*zip((act.saver_end(i) for i in range(len(act.savers))), saver_kept), (act.read_end, as_input)]
+        hold_ends = sorted({end for end, _ in holders if end >= act.hold_start}, reverse=True)
+        for k, end in enumerate(hold_ends):
+            reaching = [holder for e, holder in holders if e >= end]
+            reaches = 1 if any(isinstance(h, int) for h in reaching) else \
+                _any(model, reaching, f"held_to[{act.name},{end}]")
+            on_device = reaches if isinstance(stashed, int) else _unless(model, reaches, stashed,
+                                                                         f"held_on_device[{act.name},{end}]")
+            add_piece(hold_ends[k + 1] + 1 if k + 1 < len(hold_ends) else act.hold_start, end, act.nbytes,
+                      on_device)
         if act.savers:
-            held = model.new_bool_var(f"held[{act.name}]")
-            saver_kept = [~r[s] if s in r else 1 for s in act.savers]
-            if any(isinstance(k, int) for k in saver_kept):
-                model.add(held == 1)   # a saver that is never recomputed keeps it
-            else:
-                # held ⇔ some saver kept ∨ held as a region input
-                model.add_bool_or([~held, *saver_kept, as_input])
-                for k in saver_kept:
-                    model.add_implication(k, held)
-                model.add_implication(as_input, held)
             options = [(option, x[(act.name, option.action)]) for option in problem.stash_options.get(act.name, ())
                        if (act.name, option.action) in x]
             if act.name in takers:
@@ -267,9 +290,6 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
             for option, var in deliveries.get(act.name, ()):
                 # made again by a chain rematerialization: back from where that one is
                 add_piece(option.restored_from, act.save_end, act.nbytes, var)
-            # on the device from the last forward use to the last saver's backward, unless stashed
-            add_piece(act.hold_start, act.save_end, act.nbytes, held - sum(takers.get(act.name, ())))
-        add_piece(max(act.hold_start, act.save_end + 1), act.read_end, act.nbytes, as_input)
     by_name = {act.name: act for act in problem.activations}
     for name, variables in takers.items():
         held_by_autograd = by_name.get(name)
