@@ -203,7 +203,8 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
             replace_lowest((solved.recompute, effective_stash(problem, solved.recompute, solved.stash)),
                            solved.objective, solved.status, solved.gap)
         t = time.perf_counter()
-        polished = greedy.lower_peak(problem, lowest["decisions"], work=int(LOCAL_SEARCH_WORK * max(1.0, time_limit)))
+        polished = greedy.lower_peak(problem, lowest["decisions"], work=int(LOCAL_SEARCH_WORK * max(1.0, time_limit)),
+                                     seed=options.seed)
         lowest["time"] += time.perf_counter() - t
         peak = predicted_peak(problem, *polished)
         if peak < lowest["peak"]:
