@@ -151,6 +151,22 @@ def test_segment_heuristic_fits_what_it_claims():
         assert predicted_peak(p, *greedy.descend(p, budget, plan)) <= budget
 
 
+def test_the_iterated_local_search_leaves_a_minimum_no_single_change_can():
+    """A tensor two ops save (it is not among what they read): recomputing either saver alone leaves the
+    other holding it, so from keeping everything no single change lowers the peak; recomputing both does.
+    The kicks (three consecutive ops toggled, then a descent near them) find the brute-force minimum."""
+    chain = ("op0", "op1", "op2", "op3")
+    act = Activation("t", owner="op1", nbytes=1000, hold_start=2, savers=("op2", "op3"), readers=(),
+                     save_end=5, read_end=5, saver_ends=(5, 4))
+    problem = Problem(chain=chain, recomputable=frozenset(chain), cost=dict.fromkeys(chain, 1),
+                      flops=dict.fromkeys(chain, 1), activations=(act,), fixed=(0,) * 8, num_forward=4,
+                      backward_op={4: "op3", 5: "op2", 6: "op1", 7: "op0"})
+    assert predicted_peak(problem, {}) == 1000
+    assert all(predicted_peak(problem, {op: True}) == 1000 for op in chain)
+    found = greedy.lower_peak(problem, ({}, {}))
+    assert predicted_peak(problem, *found) == min(predicted_peak(problem, r) for r in all_assignments(problem)) == 0
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_problems(), st.data())
 def test_local_search_ends_where_no_single_change_lowers_the_peak(problem, data):
