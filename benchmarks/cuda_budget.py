@@ -144,9 +144,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cuda_budget.json")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
+    # cuDNN's default convolution-backward algorithms add with atomics (two eager VGG steps differ by
+    # ~1e-3): deterministic ones make the gradient column show what a plan changes, not that noise
+    torch.backends.cudnn.deterministic = True
     rows = []
     info = {"device": torch.cuda.get_device_name() if cuda else "cpu (dry run: live-storage tracker)",
-            "torch": torch.__version__}
+            "torch": torch.__version__, "cudnn_deterministic": True}
     print(info, flush=True)
 
     def emit(row):

@@ -394,6 +394,10 @@ def write_markdown(rows, summaries, seconds: float, quick: bool, path: Path) -> 
     path.write_text("\n".join(text) + "\n")
 
 
+def _ratio(value) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
 def cuda_section(results: Path) -> list[str]:
     """The CUDA check (``benchmarks/cuda_budget.py``, ``cuda_offload.py``), when a GPU run left results."""
     path = results / "cuda_budget.json"
@@ -422,25 +426,30 @@ def cuda_section(results: Path) -> list[str]:
         elif "over" in r:
             text.append(f"| {r['model']} | {r['method']} | {r['budget_arg']}: {format_bytes(r['budget'])} | "
                         f"{format_bytes(r['peak'])} | {format_bytes(max(0, r['over']))} | {r['vs_eager']:.2f} | "
-                        f"{r['grad_diff']:.1e} | {r['time_vs_eager']:.2f} |")
+                        f"{r['grad_diff']:.1e} | {_ratio(r.get('time_vs_eager'))} |")
     if data["info"].get("note"):
         text += ["", data["info"]["note"]]
     worst = max((r["over"] for r in fitted), default=0)
     if over_before:
-        text += ["", f"Before this run counted device memory outside the model's tensors, the same script "
+        text += ["", f"Before plans counted device memory outside the model's tensors, the same script "
                      f"measured every point over its budget by {format_bytes(min(over_before))} to "
                      f"{format_bytes(max(over_before))} (`cuda_budget_uncounted.json`): cuBLAS/cuBLASLt "
                      "workspaces (≈ 64 MiB, allocated at the first matrix product and kept) and cuDNN "
                      "convolution-backward workspaces (up to 140 MiB per call on VGG) are no tensors. Now the "
                      "first are counted as resident (\"other on device\") and the second measured per op "
                      "signature on the device (`autorecompute/runtime/workspaces.py`)."]
-    text += ["", f"Largest remaining overrun in this run: {format_bytes(max(0, worst))} — the caching "
-                 "allocator serves a request from a cached block up to 1 MiB larger without splitting it and "
-                 "counts the whole block (`benchmarks/cuda_gap.py` shows the gap op by op); plans now reserve "
-                 "2 MiB per device for it (`ALLOCATOR_SLACK`), which this run did not yet have. VGG and ResNet "
-                 "plans are refused at 0.6×: their minimum is set by a cuDNN backward workspace that no "
-                 "plan changes (VGG: 140 MiB in a 246 MiB step). Times are of models sized for a CPU: "
-                 "launch-bound on this GPU, so the compiled module's Python overhead shows (1.4–3.4× eager)."]
+    allocator = ("the caching allocator serves a request from a cached block up to 1 MiB larger without "
+                 "splitting it and counts the whole block (`benchmarks/cuda_gap.py` shows the gap op by op); "
+                 "plans reserve 2 MiB per device for it (`ALLOCATOR_SLACK`)")
+    if worst > 0:
+        text += ["", f"Largest overrun in this run: {format_bytes(worst)} — {allocator}."]
+    else:
+        text += ["", f"Every point that was planned fits, {format_bytes(-worst)} or more under its budget: "
+                     f"{allocator}; without that reserve the same points measured up to 1.00 MiB over (torch "
+                     "2.11, session 14)."]
+    text += ["", "VGG and ResNet plans are refused at 0.6×: their minimum is set by a cuDNN backward workspace "
+                 "that no plan changes (VGG: 140 MiB in a 246 MiB step). Times are of models sized for a CPU: "
+                 "launch-bound on this GPU, so the compiled module's Python overhead shows (1.5–4× eager)."]
     offload = results / "cuda_offload.json"
     if offload.exists():
         o = json.loads(offload.read_text())

@@ -72,3 +72,24 @@ def test_a_cuda_kernels_measured_workspace_is_live_during_its_call(monkeypatch):
         with cpu:
             torch.mm(torch.ones(512, 512), torch.ones(512, 512))
         assert cpu.peak == 3 * MIB               # two inputs and the output; CPU ops are never probed
+
+
+def test_other_device_memory_is_counted_in_whole_mib_so_a_reported_minimum_stays_valid(monkeypatch):
+    """What else is allocated on a CUDA device (cuBLAS workspaces, optimizer state) is resident for a plan.
+    Planning itself may leave a 512-B block behind, so the next plan sees a little more: rounded up to whole
+    MiB (plus the allocator's slack), the two counts agree and a minimum one plan reports is one the next
+    accepts. Fake CUDA tensors and a stubbed allocator stand in for a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autorecompute.runtime import memory
+
+    with FakeTensorMode():
+        weight = torch.empty(512, 512, device="cuda")          # 1 MiB of the model's own
+    monkeypatch.setattr(memory, "is_fake", lambda t: False)
+    monkeypatch.setattr(memory, "warm_up_blas", lambda device: None)
+    counts = []
+    for allocated in (MIB + 64 * MIB + 3 * 512, MIB + 64 * MIB + 4 * 512, MIB + 65 * MIB):
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None, a=allocated: a)
+        counts.append(memory.device_bytes_outside([weight]))
+    assert counts[0] == counts[1] == 65 * MIB + memory.ALLOCATOR_SLACK     # 64 MiB and a few blocks
+    assert counts[2] == 65 * MIB + memory.ALLOCATOR_SLACK                  # exactly 65 MiB: not rounded further

@@ -186,11 +186,13 @@ def _cuda_step(module, args) -> int:
 @cuda
 # VGG's cuDNN backward workspaces (140 MiB at batch 128 on an H200) can leave little for a plan to win
 @pytest.mark.parametrize("name, actions, must_act", [("gpt", ("offload",), True), ("vgg", ("recompute",), False)])
-def test_the_allocator_peak_on_cuda_stays_under_the_budget(name, actions, must_act):
+def test_the_allocator_peak_on_cuda_stays_under_the_budget(name, actions, must_act, monkeypatch):
     """On CUDA the budget holds on ``torch.cuda.max_memory_allocated``: cuBLAS workspaces and other
     allocations on the device are counted as resident, cuDNN's convolution workspaces (VGG) are measured
     per op, offload copies run on a side stream into pinned memory. The budget is halfway between the
     minimum and the unoptimized peak, so the plan has to act."""
+    # cuDNN's default convolution-backward algorithms add with atomics: two eager steps differ by ~1e-3
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     torch.manual_seed(0)
     case = models.ACTIVATION_HEAVY[name]() if name in models.ACTIVATION_HEAVY else models.make(name)
     model = case.model.cuda()
@@ -209,7 +211,7 @@ def test_the_allocator_peak_on_cuda_stays_under_the_budget(name, actions, must_a
     assert compiled.plan.count(actions[0]) > 0 or not must_act
     assert peak <= budget, (peak, budget)
     for n, p in model.named_parameters():
-        # lossless actions; the tolerance only absorbs CUDA's nondeterministic kernels (atomics)
+        # lossless actions; the tolerance only absorbs CUDA's other nondeterministic kernels (atomics)
         torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-6)
 
 
