@@ -31,12 +31,21 @@ from typing import Mapping
 from autorecompute.problem import Problem
 
 
-def region_ids(problem: Problem, recompute: Mapping[str, bool]) -> list[int]:
-    """For each chain position, the id of its recomputed region, or -1 when the op is kept."""
+NEW_REGION = "new region"   # a decision: recompute the op, in a region of its own from it on (see region_ids)
+
+
+def region_ids(problem: Problem, recompute: Mapping[str, bool | str]) -> list[int]:
+    """For each chain position, the id of its recomputed region, or -1 when the op is kept.
+
+    A region is a run of recomputed ops; a run is cut before an op decided :data:`NEW_REGION`, so two
+    checkpoints can follow each other with no kept op between them (an MLP's first matmul recomputed in
+    its own region rather than in one with the attention before it: at the MLP's backward only the MLP's
+    saved tensors are made again)."""
     ids, current, previous_on = [], -1, False
     for op in problem.chain:
-        on = bool(recompute.get(op, False)) and op in problem.recomputable
-        if on and not previous_on:
+        decision = recompute.get(op, False)
+        on = bool(decision) and op in problem.recomputable
+        if on and (not previous_on or decision == NEW_REGION):
             current += 1
         ids.append(current if on else -1)
         previous_on = on
@@ -95,15 +104,31 @@ class Timeline:
 Stash = Mapping[str, str]   # activation name → StashOption.action
 
 
-def _holders(act, region: list[int], index: Mapping[str, int]) -> tuple[int, bool, bool, int]:
+def region_ends(problem: Problem, region: list[int]) -> dict[int, int] | None:
+    """For each recomputed region, the last backward position of an op in it that saves a tensor: its
+    checkpoint holds its inputs until then (every saved tensor of the region refers to the checkpoint's
+    frame, which refers to the inputs); a region that saves nothing holds nothing. None when
+    ``problem.saves`` is not known (a region input is then held to its ``read_end``)."""
+    if problem.saves is None:
+        return None
+    backward = backward_positions(problem)
+    ends: dict[int, int] = {}
+    for op, r in zip(problem.chain, region):
+        if r >= 0 and op in problem.saves:
+            ends[r] = max(ends.get(r, -1), backward.get(op, problem.num_positions - 1))
+    return ends
+
+
+def _holders(act, region: list[int], index: Mapping[str, int],
+             ends: Mapping[int, int] | None) -> tuple[int, bool, bool, int]:
     """``(owner's region, held as a region input, held by a kept saver, last position anything holds it)``
-    of ``act`` (-1: nothing does)."""
+    of ``act`` (-1: nothing does); ``ends``: :func:`region_ends`."""
     owner_region = region[index[act.owner]] if act.owner in index else -1
-    as_input = any(region[index[c]] >= 0 and region[index[c]] != owner_region for c in act.readers
-                   if c in index)
+    holding = {region[index[c]] for c in act.readers if c in index} - {-1, owner_region}
+    input_end = -1 if not holding else act.read_end if ends is None else max(ends.get(h, -1) for h in holding)
     saver_end = max((act.saver_end(i) for i, s in enumerate(act.savers)
                      if s not in index or region[index[s]] < 0), default=-1)
-    return owner_region, as_input, saver_end >= 0, max(act.read_end if as_input else -1, saver_end)
+    return owner_region, bool(holding), saver_end >= 0, max(input_end, saver_end)
 
 
 def stash_valid(option, recompute: Mapping[str, bool], stashed: Stash | set[str]) -> bool:
@@ -122,6 +147,7 @@ def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stas
         return {}
     index = problem.index()
     region = region_ids(problem, recompute)
+    ends = region_ends(problem, region)
     by_name = {act.name: act for act in problem.activations}
     chosen = {name: option for name, action in stash.items()
               if (option := problem.stash_option(name, action)) is not None}
@@ -132,7 +158,7 @@ def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stas
     stashed = set(taken)
 
     def can_stash(act) -> bool:
-        _, as_input, by_saver, _ = _holders(act, region, index)
+        _, as_input, by_saver, _ = _holders(act, region, index, ends)
         return bool(act.savers) and act.save_end >= act.hold_start and by_saver and not as_input
 
     effective = {}
@@ -161,10 +187,11 @@ def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None
     index = problem.index()
     first_saver = _first_savers(problem, index)
     region = region_ids(problem, recompute)
+    ends = region_ends(problem, region)
     effective = effective_stash(problem, recompute, stash)
     made_by = delivered(problem, effective)
     for act in problem.activations:
-        owner_region, as_input, by_saver, hold_end = _holders(act, region, index)
+        owner_region, as_input, by_saver, hold_end = _holders(act, region, index, ends)
         option = problem.stash_option(act.name, effective.get(act.name))
         if option is not None:     # (effective: a kept saver holds it, no region does)
             yield act, option.stored_from, act.save_end, "stashed", option.stored_bytes
@@ -248,6 +275,21 @@ def _first_savers(problem: Problem, index: Mapping[str, int]) -> dict[str, str |
 
 
 _FIRST_SAVERS: dict[int, tuple[Problem, dict]] = {}
+
+
+def backward_positions(problem: Problem) -> dict[str, int]:
+    """op → its (last) backward position (from ``problem.backward_op``)."""
+    cached = _BACKWARD.get(id(problem))
+    if cached is None or cached[0] is not problem:
+        positions: dict[str, int] = {}
+        for position, op in problem.backward_op.items():
+            positions[op] = max(positions.get(op, -1), position)
+        _BACKWARD.clear()
+        cached = _BACKWARD[id(problem)] = (problem, positions)
+    return cached[1]
+
+
+_BACKWARD: dict[int, tuple[Problem, dict]] = {}
 
 
 def predicted_peak(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> int:

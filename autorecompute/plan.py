@@ -19,7 +19,7 @@ from autorecompute.problem import GRADIENT
 
 # 5: the ``rematerialize:through`` action; 4: the ``rematerialize:chain`` action, ``delivers`` / ``delivered_by``;
 # 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``; 2: ``stash``
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 ACTIONS = ("keep", "recompute", "rematerialize", "offload", "compress")
 
 
@@ -101,6 +101,8 @@ class Plan:
             for backward), ``recomputed`` — and ``baseline`` (the total with nothing recomputed).
         num_forward: number of forward positions in ``timeline`` (the rest are backward events).
         at_peak: kept ops whose activations are held at the plan's peak: what the peak is made of.
+        region_starts: recomputed ops that begin a checkpointed region of their own although the op
+            before them is recomputed too (elsewhere a region is a maximal run of recomputed ops).
     """
 
     budget: int
@@ -126,6 +128,7 @@ class Plan:
     num_forward: int = 0
     at_peak: tuple[str, ...] = ()
     stash: dict[str, StashRecord] = field(default_factory=dict)
+    region_starts: tuple[str, ...] = ()
 
     # ---- queries -------------------------------------------------------------------------------------
     def count(self, action: str) -> int:
@@ -158,7 +161,8 @@ class Plan:
             node = self.nodes.get(name) or NodeRecord((), "", 0, 0, 0, "")
             rows.append({"name": name, "action": action, "module": node.module, "shape": tuple(node.shape),
                          "dtype": node.dtype, "bytes": node.nbytes, "held_bytes": node.held_bytes,
-                         "flops": node.flops, "why": _why(action, node, name in self.at_peak, self._stashed_of(name))})
+                         "flops": node.flops, "why": _why(action, node, name in self.at_peak, self._stashed_of(name))
+                         + ("; begins a region of its own" if name in self.region_starts else "")})
         return rows
 
     def _stashed_of(self, op: str) -> list[StashRecord]:
@@ -191,7 +195,7 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         data = json.loads(text)
         version = data.pop("schema_version", None)
-        if version not in (1, 2, 3, 4, SCHEMA_VERSION):
+        if version not in (1, 2, 3, 4, 5, SCHEMA_VERSION):
             raise ValueError(f"plan JSON has schema_version {version!r}; this autorecompute reads "
                              f"1 to {SCHEMA_VERSION}")
         known = {f.name for f in fields(cls)}
@@ -200,6 +204,7 @@ class Plan:
         data["nodes"] = {k: NodeRecord(**{**v, "shape": tuple(v["shape"])}) for k, v in data["nodes"].items()}
         data["edges"] = tuple(tuple(e) for e in data.get("edges", ()))
         data["at_peak"] = tuple(data.get("at_peak", ()))
+        data["region_starts"] = tuple(data.get("region_starts", ()))
         data["stash"] = {k: StashRecord(**{**v, "shape": tuple(v["shape"]), "recipe": tuple(v.get("recipe", ())),
                                            "delivers": tuple(v.get("delivers", ()))})
                          for k, v in data.get("stash", {}).items()}

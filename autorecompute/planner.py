@@ -18,7 +18,7 @@ import torch.fx
 from autorecompute.budget import parse_budget, resolve_budget
 from autorecompute.errors import InfeasibleBudgetError
 from autorecompute.memory_model import (effective_stash, extra_cost, extra_flops, held_at, memory_components,
-                                         memory_timeline, predicted_peak)
+                                         memory_timeline, predicted_peak, region_ids)
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import node_info, step_profile, profile_step
@@ -141,6 +141,13 @@ def _decisions(problem: Problem, recompute: dict[str, bool]) -> dict[str, str]:
     return {op: ("recompute" if recompute.get(op) else "keep") for op in problem.chain if op in problem.recomputable}
 
 
+def _region_starts(problem: Problem, recompute: dict[str, bool]) -> tuple[str, ...]:
+    """Recomputed ops that begin a region though the op before them is recomputed too."""
+    ids = region_ids(problem, recompute)
+    return tuple(op for k, op in enumerate(problem.chain) if k and ids[k] >= 0 and ids[k - 1] >= 0
+                 and ids[k] != ids[k - 1])
+
+
 def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options: PlannerOptions,
               signature: str = "") -> Planned:
     """Plans ``model`` for inputs ``(args, kwargs)`` under ``budget`` (see :func:`autorecompute.compile`)."""
@@ -164,7 +171,8 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
 
     def verify(decisions: Decisions) -> tuple[torch.nn.Module, int]:
         recompute, stash = decisions
-        candidate = rewrite_recompute(clone_graph_module(gm), _decisions(problem, recompute))
+        candidate = rewrite_recompute(clone_graph_module(gm), _decisions(problem, recompute),
+                                      _region_starts(problem, recompute))
         if stash:
             prefetch = {name: problem.stash_option(name, action).restored_from - problem.num_forward
                         for name, action in stash.items()}
@@ -320,6 +328,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     plan = Plan(
         budget=budget_bytes, predicted_peak=peak, baseline_peak=baseline_peak, minimum_peak=minimum_peak,
         model_peak=predicted_peak(problem, recompute, stash), decisions=_decisions(problem, recompute),
+        region_starts=_region_starts(problem, recompute),
         extra_flops=extra_flops(problem, recompute, stash), baseline_flops=sum(problem.flops.values()),
         solver_status=status, solver_time=solve_time, solver_gap=gap,
         plan_time=time.perf_counter() - started, actions=options.actions, objective=options.objective, resident=dict(profile.resident),

@@ -7,6 +7,8 @@ with dropout) are replaced by the ops that composite runs, so the planner sees t
 softmax and the dropout mask as separate tensors (a fused kernel stays one op); and in-place ops on an
 activation that nothing else reads are made out-of-place, so that recomputing a region never replays a
 mutation of its own input. In-place updates of buffers (BatchNorm's ``num_batches_tracked``) stay as they are.
+Last, a cheap op that widens a tensor no gradient flows through (a boolean attention mask made float) runs
+again next to each of its later readers, so that the narrow tensor, not the wide one, is kept between them.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     _drop_guards_and_asserts(gm)
     _inline_math_attention(gm)
     _functionalize_activation_mutations(gm)
+    _widen_at_each_reader(gm)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -147,6 +150,52 @@ def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx.GraphMo
         result = result[0]
     node.replace_all_uses_with(result)
     gm.graph.erase_node(node)
+
+
+# elementwise ops without the pointwise tag that widen a tensor: casts, and where with a scalar branch
+_WIDENING = {torch.ops.aten.where.ScalarOther, torch.ops.aten.where.ScalarSelf, torch.ops.aten.where.Scalar,
+             torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout}
+
+
+def _widen_at_each_reader(gm: torch.fx.GraphModule) -> None:
+    """Runs a cheap widening op again before each of its readers after the first, each reading its own copy.
+
+    HF decoders build the float attention mask once (``where(bool_mask, 0, -inf)``, 4× the boolean's bytes)
+    and add it in every layer: the float mask is then on the device from the first layer's forward to its
+    backward, and every recomputed layer holds it as a region input. Made again at each layer (one
+    elementwise op), the boolean mask is what stays. The rule (XLA's rematerialization of broadcasts and
+    converts): an elementwise op, no gradient through it, no random numbers, writing at least twice the
+    bytes of its inputs' storages, with several readers. The values are the same op's on the same inputs.
+    """
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or len(node.users) < 2 or not _widens(node):
+            continue
+        for reader in sorted(node.users, key=_position(gm))[1:]:
+            with gm.graph.inserting_before(reader):
+                again = gm.graph.node_copy(node)
+            reader.replace_input_with(node, again)
+
+
+def _position(gm: torch.fx.GraphModule):
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return order.__getitem__
+
+
+def _widens(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val")
+    target = node.target
+    if not isinstance(value, torch.Tensor) or value.requires_grad or is_mutating(node) or _is_view(node):
+        return False
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    if target not in _WIDENING and torch.Tag.pointwise not in target.tags:
+        return False
+    inputs = [n.meta.get("val") for n in node.all_input_nodes]
+    if not all(isinstance(v, torch.Tensor) and not v.requires_grad for v in inputs):
+        return False
+    storages = {v.untyped_storage()._cdata: v.untyped_storage().nbytes() for v in inputs}
+    out = value.numel() * value.element_size()
+    return out >= 2 * sum(storages.values())
 
 
 def is_mutating(node: torch.fx.Node) -> bool:

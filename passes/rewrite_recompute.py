@@ -8,7 +8,7 @@ GraphModule), so ``gm.code`` shows the boundaries and ``print(gm.recompute_regio
 from __future__ import annotations
 
 import operator
-from typing import Mapping
+from typing import Collection, Mapping
 
 import torch
 import torch.fx
@@ -30,8 +30,10 @@ def copy_replaying(graph: torch.fx.Graph, node: torch.fx.Node, arg_transform, re
     return copied
 
 
-def find_regions(graph: torch.fx.Graph, decisions: Mapping[str, str]) -> list[list[torch.fx.Node]]:
-    """Maximal runs of nodes marked ``"recompute"`` in graph order (the plan's regions)."""
+def find_regions(graph: torch.fx.Graph, decisions: Mapping[str, str],
+                 starts: Collection[str] = ()) -> list[list[torch.fx.Node]]:
+    """Runs of nodes marked ``"recompute"`` in graph order (the plan's regions): maximal, except that a
+    node in ``starts`` begins a new one."""
     from autorecompute.passes.build_problem import is_transparent
 
     regions: list[list[torch.fx.Node]] = []
@@ -41,6 +43,9 @@ def find_regions(graph: torch.fx.Graph, decisions: Mapping[str, str]) -> list[li
         if node.op in ("placeholder", "get_attr"):
             continue
         if node.op == "call_function" and decisions.get(node.name) == "recompute":
+            if node.name in starts and current:
+                regions.append(current)
+                current, members = [], set()
             current.append(node)
             members.add(node)
         elif node.op == "call_function" and node.target is operator.getitem and node.args[0] in members:
@@ -80,8 +85,11 @@ def _device_of(nodes: list[torch.fx.Node]) -> str | None:
     return None
 
 
-def rewrite_recompute(gm: torch.fx.GraphModule, decisions: Mapping[str, str]) -> torch.fx.GraphModule:
-    """Rewrites ``gm`` in place (and returns it) so that ops marked ``"recompute"`` are recomputed in backward.
+def rewrite_recompute(gm: torch.fx.GraphModule, decisions: Mapping[str, str],
+                      starts: Collection[str] = ()) -> torch.fx.GraphModule:
+    """Rewrites ``gm`` in place (and returns it) so that ops marked ``"recompute"`` are recomputed in backward,
+    each run of them in one checkpointed region (a new one from each op in ``starts``, the plan's
+    ``region_starts``).
 
     Example:
         >>> import torch.fx
@@ -90,7 +98,7 @@ def rewrite_recompute(gm: torch.fx.GraphModule, decisions: Mapping[str, str]) ->
         >>> print(gm.code.strip().splitlines()[1].strip())
         recompute_region_0 = self.recompute_region_0(x);  x = None
     """
-    for k, region in enumerate(find_regions(gm.graph, decisions)):
+    for k, region in enumerate(find_regions(gm.graph, decisions, starts)):
         _outline(gm, region, f"recompute_region_{k}")
     gm.graph.lint()
     gm.recompile()

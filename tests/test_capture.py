@@ -114,3 +114,57 @@ def test_least_flops_plan_at_torch_compiles_point_runs_no_flops_again():
     assert compiled.plan.extra_flops == 0
     assert counter.get_total_flops() == eager_flops
     assert_bitwise_equal(eager, result)
+
+
+class _SharedMask(torch.nn.Module):
+    """Two attention-like layers adding one float causal mask, made once from a boolean (HF's way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        n = x.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        mask = torch.where(causal, 0.0, float("-inf"))          # 4 bytes per entry where the boolean has 1
+        h = torch.softmax(self.first(x) @ x.transpose(1, 2) + mask, -1) @ x
+        return torch.softmax(self.second(h) @ h.transpose(1, 2) + mask, -1) @ h
+
+
+def test_a_widened_mask_is_made_again_at_each_reader():
+    """The float mask (widened from a boolean, no gradient through it) is made again before its second
+    reader: the boolean, a quarter of its bytes, is what lives from the first layer to the second (and what
+    a recomputed layer holds as its input). Same values and gradients as eager, bitwise."""
+    torch.manual_seed(0)
+    model, x = _SharedMask(), torch.randn(2, 8, 16)
+    gm = capture(model, (x,), {})
+    masks = [n for n in gm.graph.nodes if n.op == "call_function" and "where" in str(n.target)]
+    assert len(masks) == 2 and all(len(n.users) == 1 for n in masks)
+    assert masks[0].args == masks[1].args
+    expected = model(x)
+    expected.sum().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    got = gm(x)
+    got.sum().backward()
+    assert torch.equal(expected, got)
+    assert all(torch.equal(grads[k], p.grad) for k, p in model.named_parameters())
+
+
+def test_an_op_that_does_not_widen_or_carries_gradient_is_not_duplicated():
+    """Only widening ops off the gradient path are made again: a same-size cast of a float mask, or a
+    mask computed from a parameter, stays one node."""
+
+    class Learned(_SharedMask):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(8, 8))
+
+        def forward(self, x):
+            mask = self.bias * 2.0                               # a gradient flows through it
+            h = torch.softmax(self.first(x) @ x.transpose(1, 2) + mask, -1) @ x
+            return torch.softmax(self.second(h) @ h.transpose(1, 2) + mask, -1) @ h
+
+    gm = capture(Learned(), (torch.randn(2, 8, 16),), {})
+    scaled = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.mul.Tensor]
+    assert len(scaled) == 1 and len(scaled[0].users) == 2

@@ -180,3 +180,51 @@ def test_local_search_ends_where_no_single_change_lowers_the_peak(problem, data)
     for op in problem.recomputable:
         toggled = {**found, op: not found.get(op, False)}
         assert predicted_peak(problem, toggled) >= peak
+
+
+def _attention_then_mlp(saves: bool = True) -> Problem:
+    """a1 → a2 → m1 → m2 → out: a1's output (100 B) is saved by a2, a2's (10 B) by m1, m1's (100 B) by m2,
+    m2's (10 B) by out (kept); out's backward takes 50 B more. Backward runs out, m2, m1, a2, a1 at
+    positions 5..9."""
+    chain = ("a1", "a2", "m1", "m2", "out")
+    backward = {"out": 5, "m2": 6, "m1": 7, "a2": 8, "a1": 9}
+
+    def act(owner, nbytes, saver):
+        position = chain.index(saver)
+        return Activation(f"t_{owner}", owner=owner, nbytes=nbytes, hold_start=position + 1, savers=(saver,),
+                          readers=(saver,), save_end=backward[saver], read_end=backward[saver],
+                          saver_ends=(backward[saver],))
+
+    return Problem(chain=chain, recomputable=frozenset(chain[:4]), cost=dict.fromkeys(chain, 1),
+                   flops=dict.fromkeys(chain, 1),
+                   activations=(act("a1", 100, "a2"), act("a2", 10, "m1"), act("m1", 100, "m2"), act("m2", 10, "out")),
+                   fixed=(0,) * 5 + (50,) + (0,) * 4, num_forward=5, backward_op={p: op for op, p in backward.items()},
+                   saves=dict.fromkeys(chain, False) if saves else None)
+
+
+def test_a_region_start_reaches_below_every_plan_of_maximal_runs():
+    """One region over a1..m2 makes a1's and m1's outputs again together at m2's backward (210 B); a kept
+    m1 holds its 100-B output through out's backward (160 B and more). Two regions back to back, m1
+    starting the second (``NEW_REGION``), hold only a2's 10-B output between them: 110 B, below every plan
+    of maximal runs — and the local search finds it from keeping everything."""
+    from autorecompute.memory_model import NEW_REGION
+
+    p = _attention_then_mlp()
+    runs_only = min(predicted_peak(p, r) for r in all_assignments(p))
+    cut = {"a1": True, "a2": True, "m1": NEW_REGION, "m2": True}
+    assert predicted_peak(p, dict.fromkeys(cut, True)) == 210
+    assert predicted_peak(p, cut) == 110 < runs_only
+    found, _ = greedy.lower_peak(p, ({}, {}))
+    assert predicted_peak(p, found) == 110
+
+
+def test_a_region_holds_its_inputs_until_the_last_backward_of_what_it_saves():
+    """a2's output is an input of m1's region. Held until that region's last saver's backward (m1's, 7,
+    not the reader m1's read_end alone): when m2 is in the region too, still 7 (m2's backward, 6, is
+    earlier); a region that saves nothing (``saves`` without m1, m2) does not hold its inputs at all."""
+    p = _attention_then_mlp()
+    mlp = {"m1": True, "m2": True}
+    # at 3..7 a1's output (held by a2) and a2's (held by the region); at 8 a1's alone
+    assert memory_timeline(p, mlp)[3:9] == [110, 110, 170, 210, 110, 100]
+    nothing_saved = Problem(**{**p.__dict__, "saves": {"a1": False, "a2": False, "out": False}})
+    assert memory_timeline(nothing_saved, mlp)[3:9] == [100, 100, 160, 200, 100, 100]

@@ -108,3 +108,23 @@ def test_fits_wherever_sqrt_n_over_articulation_points_fits():
     assert sqrt_n_peak < 0.6 * eager.peak
     assert ours.peak <= sqrt_n_peak
     assert all(torch.equal(ours.grads[n], g) for n, g in eager.grads.items())
+
+
+def test_the_minimum_peak_plan_cuts_runs_into_regions_and_measures_what_it_says():
+    """Llama's recompute-only minimum needs back-to-back regions (an MLP's first matmul recomputed in a
+    region of its own, not kept as the boundary after the attention's): the plan lists them in
+    ``region_starts``, the rewritten step runs them as separate checkpoints, and its measured peak is
+    the plan's, with eager's gradients bit for bit."""
+    case = models.make("llama")
+    model = case.model
+    with pytest.raises(autorecompute.InfeasibleBudgetError) as info:
+        autorecompute.plan(model, *case.args, budget=1, actions=("recompute",), solver_time_limit=SOLVER_TIME)
+    compiled = autorecompute.compile(model, budget=info.value.minimum, actions=("recompute",),
+                                     solver_time_limit=SOLVER_TIME)
+    compiled.prepare(*case.args)
+    plan = compiled.plan
+    assert plan.region_starts and all(plan.decisions[op] == "recompute" for op in plan.region_starts)
+    eager = measured_step(model, model, case.args, case.kwargs)
+    ours = measured_step(compiled, model, case.args, case.kwargs)
+    assert ours.peak == plan.predicted_peak <= plan.budget
+    assert all(torch.equal(ours.grads[n], g) for n, g in eager.grads.items())

@@ -14,7 +14,7 @@ from typing import Mapping
 
 from ortools.sat.python import cp_model
 
-from autorecompute.memory_model import effective_stash, extra_cost, predicted_peak
+from autorecompute.memory_model import backward_positions, effective_stash, extra_cost, predicted_peak
 from autorecompute.problem import Problem
 from autorecompute.solvers import greedy
 
@@ -129,6 +129,9 @@ def _unless(model: cp_model.CpModel, literal, stashed, name: str):
     return var
 
 
+REGION_WINDOW = 24     # ops either side of a reader within which a region's end is encoded exactly
+
+
 def byte_unit(problem: Problem) -> int:
     """Divisor for bytes: keeps the largest memory figure near 2**22 so the model stays small-integer."""
     largest = max(max(problem.fixed, default=0), sum(a.nbytes for a in problem.activations), 1)
@@ -229,9 +232,43 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
             takers.setdefault(other, []).append(var)
             deliveries.setdefault(other, []).append((option, var))
 
+    # How long a recomputed region holds its inputs: until the last backward of an op in it that saves
+    # (memory_model.region_ends). For each op c, pairs (e, lit): lit ⇒ c's region reaches a saver whose
+    # backward is at e or later. Walking away from c the running maximum of the savers' ends only grows, so
+    # one pair per new maximum: "the region reaches op k" is same(k, c). Past REGION_WINDOW ops, one pair
+    # with the latest end of any saver up to the next kept op: a bound from above, exact on shorter runs.
+    backward = backward_positions(problem)
+    last_position = problem.num_positions - 1
+    reach_cache: dict[str, list] = {}
+
+    def saver_end_of(k: int) -> int:
+        return backward.get(chain[k], last_position) if chain[k] in problem.saves else -1
+
+    def region_reach(c: str) -> list[tuple[int, int]]:
+        """(e, k) pairs for op c: its region reaching chain index k means it holds its inputs to e or later."""
+        if c not in reach_cache:
+            pairs, i = [], index[c]
+            for step in (-1, 1):
+                best, k = -1, (i if step < 0 else i + 1)
+                while 0 <= k < len(chain) and chain[k] in r:
+                    if abs(k - i) > REGION_WINDOW:
+                        run_end, j = -1, k
+                        while 0 <= j < len(chain) and chain[j] in r:
+                            run_end, j = max(run_end, saver_end_of(j)), j + step
+                        if run_end > best:
+                            pairs.append((run_end, k))
+                        break
+                    if saver_end_of(k) > best:
+                        best = saver_end_of(k)
+                        pairs.append((best, k))
+                    k += step
+            reach_cache[c] = pairs
+        return reach_cache[c]
+
     for act in problem.activations:
         # Region-input reasons: a recomputed reader outside the owner's region holds t as a region input.
         input_reasons = []
+        reason_of = {}
         for c in act.readers:
             if c not in r:
                 continue
@@ -245,6 +282,7 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
             else:
                 model.add_implication(r[c], reason)
             input_reasons.append(reason)
+            reason_of[c] = reason
         as_input = model.new_bool_var(f"held_as_input[{act.name}]")
         # held as input ⇔ any reason
         model.add_max_equality(as_input, input_reasons) if input_reasons else model.add(as_input == 0)
@@ -253,10 +291,24 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
         # Held from its last forward use to the latest end of what holds it (a kept saver, a region holding
         # it as an input), unless stashed: over (e_next, e] for each distinct end e by "a holder ending at
         # e or later holds it and it is not stashed".
-        holders = [*zip((act.saver_end(i) for i in range(len(act.savers))), saver_kept), (act.read_end, as_input)]
-        hold_ends = sorted({end for end, _ in holders if end >= act.hold_start}, reverse=True)
+        holders = [*zip((act.saver_end(i) for i in range(len(act.savers))), saver_kept)]
+        if problem.saves is None:      # not known what a region saves: held to read_end
+            holders.append((act.read_end, as_input))
+        for c, reason in (reason_of.items() if problem.saves is not None else ()):
+            owner_at = index[act.owner] if act.owner in index else -1
+            for end, k in region_reach(c):
+                if k <= owner_at:
+                    continue       # c's region reaching k takes in the owner: t is then no input of it
+                reach = same(chain[min(k, index[c])], chain[max(k, index[c])])
+                # held to end ⇐ c holds t as an input and its region reaches a saver ending there
+                holders.append((end, reason if k == index[c] else
+                                _both(model, reason, reach, f"input_to[{act.name},{c},{k}]")))
+        holders = [(end, h) for end, h in holders if end >= act.hold_start and not (isinstance(h, int) and h == 0)]
+        hold_ends = sorted({end for end, _ in holders}, reverse=True)
+        reaches = 0
         for k, end in enumerate(hold_ends):
-            reaching = [holder for e, holder in holders if e >= end]
+            # held to end or later ⇔ held to the next later end, or a holder ending here holds it
+            reaching = ([reaches] if k else []) + [h for e, h in holders if e == end]
             reaches = 1 if any(isinstance(h, int) for h in reaching) else \
                 _any(model, reaching, f"held_to[{act.name},{end}]")
             on_device = reaches if isinstance(stashed, int) else _unless(model, reaches, stashed,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from autorecompute.memory_model import effective_stash, extra_cost, memory_timeline, predicted_peak
+from autorecompute.memory_model import NEW_REGION, effective_stash, extra_cost, memory_timeline, predicted_peak
 from autorecompute.problem import Problem
 
 Decisions = tuple[dict[str, bool], dict[str, str]]
@@ -240,9 +240,13 @@ STALE_KICKS = 48    # kicks in a row that find nothing lower end the search
 
 def _moves(problem: Problem, owner: dict[str, str], within: set[str] | None = None) -> list[tuple]:
     """The single changes of ``lower_peak``, among ops in ``within`` (None: all): ``("op", op, None)``
-    toggles it, ``("stash", name, action)`` sets a stash action of an activation those ops own (None:
+    toggles it, ``("region", op, None)`` recomputes it starting a region (or, when it does, in the region
+    before it), ``("stash", name, action)`` sets a stash action of an activation those ops own (None:
     drops it)."""
     moves = [("op", op, None) for op in sorted(problem.recomputable) if within is None or op in within]
+    # recompute in a region of its own (or rejoin the region before): where the op before can be recomputed
+    moves += [("region", op, None) for before, op in zip(problem.chain, problem.chain[1:])
+              if op in problem.recomputable and before in problem.recomputable and (within is None or op in within)]
     moves += [("stash", name, action) for name, options in sorted(problem.stash_options.items())
               if within is None or owner.get(name) in within
               for action in (*(o.action for o in options), None)]
@@ -265,9 +269,11 @@ def _descend(problem: Problem, recompute: dict[str, bool], stash: dict[str, str]
         for kind, name, value in moves:
             if used >= tries:
                 break
-            table = recompute if kind == "op" else stash
+            table = stash if kind == "stash" else recompute
             if kind == "op":
                 value = not recompute.get(name, False)
+            elif kind == "region":
+                value = True if recompute.get(name) == NEW_REGION else NEW_REGION
             elif stash.get(name) == value:
                 continue
             used += 1
@@ -307,9 +313,9 @@ def descend(problem: Problem, budget: int, start: Decisions, max_tries: int = 16
     moves += [(problem.stash_option(name, action).cost, "stash", name) for name, action in stash.items()]
     for _, kind, name in sorted(moves, key=lambda m: (-m[0], m[1], m[2]))[:max_tries]:
         if kind == "recompute":
-            recompute[name] = False
+            recompute[name], was = False, recompute[name]     # (True, or NEW_REGION)
             if predicted_peak(problem, recompute, stash) > budget:
-                recompute[name] = True
+                recompute[name] = was
         else:
             action = stash.pop(name)
             if predicted_peak(problem, recompute, stash) > budget:
