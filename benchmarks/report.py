@@ -216,6 +216,13 @@ def _minimum_ratio(summaries: list[dict], model: str, key: str) -> str:
     return f"{s[key] / s['sqrt_n_peak']:.3f}×"
 
 
+def _meets_or_misses(summaries: list[dict], model: str, key: str, goal: float) -> str:
+    s = next((s for s in summaries if s["model"] == model), None)
+    if s is None or not s.get(key) or not s.get("sqrt_n_peak"):
+        return "is not measured for"
+    return "meets" if s[key] <= goal * s["sqrt_n_peak"] else "misses"
+
+
 def _floors(summaries: list[dict], actions: str) -> str:
     """The floor of each model (``benchmarks/floors.py``; ``actions``: "recompute" or "offload") as a
     fraction of its √N peak."""
@@ -301,29 +308,25 @@ def write_markdown(rows, summaries, seconds: float, quick: bool, path: Path) -> 
              "held to its last use) or a chain (handing over what it makes) held two of them at once (5.79 MiB); "
              "now each is made from the image just before its own backward, the earlier ones again as "
              "temporaries, and BatchNorm runs again in recipes without updating its statistics (5.29 MiB, "
-             "measured = predicted, gradients bitwise). Llama misses 2a "
-             f"({_minimum_ratio(summaries, 'llama', 'minimum_peak')}; 0.866× before): the first layer's attention "
-             "backward has 2.66 MiB that no decision changes (0.71× of √N's 3.75 MiB: the parameters and nearly "
-             "all their gradients, the logits and their unit gradient, the attention's gradient temporaries), "
-             "and it reads the 0.25-MiB probabilities with the queries, keys and values they are made from; a "
-             "region that makes them again makes the layer's other saved tensors with them (held to their own "
-             "backward). Until this run the memory model priced Llama's minimum-peak plan 0.11 MiB above what "
-             "it measures (3.36 vs 3.25 MiB), so the search steered by a pessimistic peak: the probabilities' "
-             "cast to their own dtype and the attention dropout with p=0 return their input and share the "
-             "softmax's autograd node, and each had opened an empty backward event before the softmax's, so "
-             "the softmax backward's memory (the probabilities it reads among it) was booked one position late, "
-             "where a plan that makes the probabilities again counted them a second time; and a tensor saved by "
-             "a kept op and a recomputed one was held to the recomputed one's backward, though that region "
-             "makes its own copy. With events on the autograd nodes that run and a tensor held to its kept "
-             "savers' backward, the minimum-peak plan is predicted to 8 bytes (3 272 776 vs 3 272 768 B) and the "
-             "minimum within the suite's 6-s limit fell to 3.12 MiB (0.833×). No single change lowers that plan "
-             "(10× the local search's work: the same 3.12 MiB); an iterated local search after it — three "
-             "consecutive ops toggled at a seeded random place, a descent within 12 ops of them, kept when "
-             "lower — took it to 3.04 MiB, and from the 6-s CP-SAT plan it finds in 0.5 s the plan a 30-s "
-             "solve finds: 3 144 768 B measured, 0.8002× — 628 bytes above the goal; the model prices it 63 KiB "
-             "higher (3.06 MiB), as it holds a region's inputs to the latest backward of all their readers where "
-             "a checkpoint holds them to the last backward of its own savers (docs/architecture.md, known "
-             "limits), so the search sees no lower plan there. "
+             "measured = predicted, gradients bitwise). Llama "
+             f"{_meets_or_misses(summaries, 'llama', 'minimum_peak', 0.8)} 2a "
+             f"({_minimum_ratio(summaries, 'llama', 'minimum_peak')}; 0.812× in the previous run, 0.866× "
+             "before that): its first layer's attention backward has 2.66 MiB that no decision changes (the "
+             "parameters and nearly all their gradients, the logits and their unit gradient, the attention's "
+             "gradient temporaries), and it reads the 0.25-MiB probabilities with the queries, keys and values "
+             "they are made from; a region that makes them again makes the layer's other saved tensors with "
+             "them. Three changes in this run: (1) a checkpoint holds its inputs until the last backward of what "
+             "its region saves (the model had held them to the latest backward of all their readers, and priced "
+             "Llama's best plans up to 63 KiB off; the minimum-peak plan is now predicted to 8 bytes); (2) HF's "
+             "float causal mask, made once from a boolean four times smaller and added in every layer, was "
+             "held through every layer and by every recomputed layer as an input; the widening op now runs "
+             "again at each layer (capture), so the boolean is what stays — this lowers √N's "
+             "articulation-point peak too (3.75 → 3.70 MiB), as √N runs on the same graph; (3) regions back to "
+             "back: the MLP's gate projection was kept as the boundary between a layer's attention region and "
+             "its MLP region, its 192-KiB output held through the next layer's backward; now it can be "
+             "recomputed in a region of its own (`region_starts`). Our minimum went from 3.04 to 2.99 MiB; "
+             "what sets it now is the first layer's MLP backward, where recomputing the MLP's region makes its "
+             "gate, SiLU and up projections (0.56 MiB) again at once. ",
              "2b is out of reach on both by the budget's own terms: "
              "it covers the parameter gradients at the end of backward, where every one is back on the device "
              "for the optimizer — VGG's parameters and their gradients alone are 3.70 MiB, 0.54× of √N's "

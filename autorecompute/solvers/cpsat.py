@@ -130,6 +130,11 @@ def _unless(model: cp_model.CpModel, literal, stashed, name: str):
 
 
 REGION_WINDOW = 24     # ops either side of a reader within which a region's end is encoded exactly
+# Chains longer than this hold a region input to its ``read_end`` in CP-SAT (one literal per activation, not
+# one per saver a region may reach): the exact rule's model made the 6-s plans of the benchmark zoo worse
+# (GPT's least-FLOPs plan at torch.compile's 0.5 point +0.8% → +3.4% FLOPs) and the suite 30% slower. The
+# memory model that scores, searches and verifies CP-SAT's plans is exact on every chain.
+EXACT_REGIONS_UP_TO = 64
 
 
 def byte_unit(problem: Problem) -> int:
@@ -237,6 +242,7 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
     # backward is at e or later. Walking away from c the running maximum of the savers' ends only grows, so
     # one pair per new maximum: "the region reaches op k" is same(k, c). Past REGION_WINDOW ops, one pair
     # with the latest end of any saver up to the next kept op: a bound from above, exact on shorter runs.
+    exact_regions = problem.saves is not None and len(chain) <= EXACT_REGIONS_UP_TO
     backward = backward_positions(problem)
     last_position = problem.num_positions - 1
     reach_cache: dict[str, list] = {}
@@ -292,9 +298,9 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
         # it as an input), unless stashed: over (e_next, e] for each distinct end e by "a holder ending at
         # e or later holds it and it is not stashed".
         holders = [*zip((act.saver_end(i) for i in range(len(act.savers))), saver_kept)]
-        if problem.saves is None:      # not known what a region saves: held to read_end
+        if not exact_regions:      # not known what a region saves, or a long chain: held to read_end
             holders.append((act.read_end, as_input))
-        for c, reason in (reason_of.items() if problem.saves is not None else ()):
+        for c, reason in (reason_of.items() if exact_regions else ()):
             owner_at = index[act.owner] if act.owner in index else -1
             for end, k in region_reach(c):
                 if k <= owner_at:
