@@ -262,16 +262,24 @@ def memory_timeline(problem: Problem, recompute: Mapping[str, bool], stash: Stas
     return memory_components(problem, recompute, stash).total
 
 
-def _first_savers(problem: Problem, index: Mapping[str, int]) -> dict[str, str | None]:
-    cached = _FIRST_SAVERS.get(id(problem))
+def _per_problem(cache: dict, problem: Problem, compute):
+    """``compute()`` once per problem: the last problem's result is kept in ``cache``, and only it (one
+    problem at a time: do not keep old graphs alive)."""
+    cached = cache.get(id(problem))
     if cached is None or cached[0] is not problem:
+        cache.clear()
+        cached = cache[id(problem)] = (problem, compute())
+    return cached[1]
+
+
+def _first_savers(problem: Problem, index: Mapping[str, int]) -> dict[str, str | None]:
+    def compute() -> dict[str, str | None]:
         savers = {}
         for act in problem.activations:
             in_chain = [s for s in act.savers if s in index]
             savers[act.name] = min(in_chain, key=index.__getitem__) if in_chain else None
-        _FIRST_SAVERS.clear()    # one problem at a time: do not keep old graphs alive
-        cached = _FIRST_SAVERS[id(problem)] = (problem, savers)
-    return cached[1]
+        return savers
+    return _per_problem(_FIRST_SAVERS, problem, compute)
 
 
 _FIRST_SAVERS: dict[int, tuple[Problem, dict]] = {}
@@ -279,14 +287,12 @@ _FIRST_SAVERS: dict[int, tuple[Problem, dict]] = {}
 
 def backward_positions(problem: Problem) -> dict[str, int]:
     """op → its (last) backward position (from ``problem.backward_op``)."""
-    cached = _BACKWARD.get(id(problem))
-    if cached is None or cached[0] is not problem:
+    def compute() -> dict[str, int]:
         positions: dict[str, int] = {}
         for position, op in problem.backward_op.items():
             positions[op] = max(positions.get(op, -1), position)
-        _BACKWARD.clear()
-        cached = _BACKWARD[id(problem)] = (problem, positions)
-    return cached[1]
+        return positions
+    return _per_problem(_BACKWARD, problem, compute)
 
 
 _BACKWARD: dict[int, tuple[Problem, dict]] = {}
