@@ -1,6 +1,6 @@
 """Benchmark suite: autorecompute against √N checkpointing, per-block checkpointing and eager.
 
-    python benchmarks/suite.py            # full suite (24–28 min on 2 cores)
+    python benchmarks/suite.py            # full suite (about 25 min on 2 cores; see docs/benchmarks.md)
     python benchmarks/suite.py --quick    # 3 models, fewer points (≈ 4 min)
     python benchmarks/suite.py --models gpt mlp --merge   # rerun some models, keep the others' rows
 
@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -56,6 +57,16 @@ QUICK_MAX_BATCH = "vgg"
 # goal 5's side-by-side timing: steps differ by ~2% while single runs on this machine spread by ±5%, so the
 # median of the paired ratio needs about a hundred repetitions to settle (31 moved it by ±0.1 between runs)
 WALL_REPS, WALL_REPS_QUICK = 101, 15
+PHASES: dict[str, float] = {}      # seconds per phase of the model being benchmarked (where the suite's time goes)
+
+
+@contextmanager
+def phase(name: str):
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        PHASES[name] = PHASES.get(name, 0.0) + time.perf_counter() - started
 
 
 def plan_status(plan) -> str:
@@ -216,6 +227,12 @@ def compile_budget_rows(name: str) -> list[dict]:
     return [r for r in rows if r["fraction"] < 1.0]
 
 
+def comparable_compile_rows(name: str) -> list[dict]:
+    """The points of :func:`compile_budget_rows` whose gradients are eager's: goal 3 compares at those only
+    (the others are listed in the report from compile_budget.json, with how far off their gradients are)."""
+    return [r for r in compile_budget_rows(name) if compile_gradients_exact(r)]
+
+
 class Bench:
     """One model's reference (eager peak, gradients, FLOPs) and the rows measured against it."""
 
@@ -262,7 +279,7 @@ class Bench:
     def at_compile_peaks(self, compile_name: str, suffix: str, limit: float) -> None:
         """Least-FLOPs plans at the peaks torch.compile's activation_memory_budget reached on
         ``compile_name`` (benchmarks/compile_budget.py), measured on this bench's model."""
-        for row in compile_budget_rows(compile_name):
+        for row in comparable_compile_rows(compile_name):
             budget = row["measured_peak_bytes"]
             self.reset()
             started = time.perf_counter()
@@ -280,6 +297,7 @@ class Bench:
 
 
 def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]:
+    PHASES.clear()
     case = models.make(name)
     model = case.model
     rows: list[dict] = []
@@ -330,7 +348,8 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
                                  ("autorecompute+offload", OFFLOAD, 2 if quick else 3),
                                  ("autorecompute compress:bfloat16 (lossy)", COMPRESS, 1)):
         reset()       # no gradients left by the rows before: they would count as resident state
-        minimum[tag] = low = minimum_peak(case, limit, actions)
+        with phase("minimum probes"):
+            minimum[tag] = low = minimum_peak(case, limit, actions)
         budgets = [low + (baseline - low) * i // max(1, points - 1) for i in range(points)] if points > 1 else [low]
         extra = [(f"{tag} @ sqrt_n peak", sqrt_peak, "time")] if actions != COMPRESS else []
         if actions != COMPRESS and lowest is not reference:
@@ -343,13 +362,15 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
             compiled = autorecompute.compile(model, budget=budget, solver_time_limit=limit, actions=actions,
                                              objective=objective)
             try:
-                compiled.prepare(*case.args, **case.kwargs)
+                with phase("sweep plans"):
+                    compiled.prepare(*case.args, **case.kwargs)
             except autorecompute.InfeasibleBudgetError:
                 print(f"  {label}: budget {budget} infeasible (minimum {low})")
                 continue
             plan = compiled.plan
-            record(label, compiled, budget=budget, plan_time=time.perf_counter() - started,
-                   status=plan_status(plan))
+            with phase("sweep measurements"):
+                record(label, compiled, budget=budget, plan_time=time.perf_counter() - started,
+                       status=plan_status(plan))
     # goal 1 missed within the time limit: plan again with 4× the limit (both rows reported)
     least = next((r for r in rows if r["method"] == "autorecompute (least FLOPs) @ sqrt_n peak"), None)
     if not quick and least is not None and least["extra_flops"] > 0.5 * reference["extra_flops"]:
@@ -360,23 +381,23 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
         compiled.prepare(*case.args, **case.kwargs)
         record(LONGER_SOLVE, compiled, budget=sqrt_peak, plan_time=time.perf_counter() - started,
                status=plan_status(compiled.plan))
-    # at the peaks torch.compile's activation_memory_budget reached (benchmarks/compile_budget.py); below 1.0
-    # its gradients differ from eager's where it redraws a dropout (pytorch#190758), so the same model without
+    # at the peaks torch.compile's activation_memory_budget reached (benchmarks/compile_budget.py) with eager's
+    # gradients; below 1.0 they differ where it redraws a dropout (pytorch#190758), so the same model without
     # dropout is measured too: there both sides compute eager's gradients
-    has_variant = bool(compile_budget_rows(name + NO_DROPOUT))
-    if not (quick and has_variant):      # --quick: only the comparison whose gradients agree
+    with phase("torch.compile peaks"):
         bench.at_compile_peaks(name, "", limit)
-    if has_variant:
-        variant = Bench(name, make_case(name + NO_DROPOUT), rows, reps)
-        variant.at_compile_peaks(name + NO_DROPOUT, " (no dropout)", limit)
-        del variant
+        if compile_budget_rows(name + NO_DROPOUT):
+            variant = Bench(name, make_case(name + NO_DROPOUT), rows, reps)
+            variant.at_compile_peaks(name + NO_DROPOUT, " (no dropout)", limit)
+            del variant
     # goal 5: √N and our plan at its peak timed side by side, interleaved with eager, more repetitions
     at_sqrt = kept_modules.get("autorecompute @ sqrt_n peak")
     wall = None
     if at_sqrt is not None:
         reset()
-        wall = head_to_head(model, {"sqrt_n": kept_modules[reference["method"]], "autorecompute": at_sqrt}, case,
-                            reps=WALL_REPS_QUICK if quick else WALL_REPS)
+        with phase("head to head"):
+            wall = head_to_head(model, {"sqrt_n": kept_modules[reference["method"]], "autorecompute": at_sqrt},
+                                case, reps=WALL_REPS_QUICK if quick else WALL_REPS)
         print(f"  wall head to head: {wall}", flush=True)
     kept_modules.clear()
     summary = {"model": name, "eager_peak": eager.peak, "wall_at_sqrt_n_peak": wall, "minimum_peak": minimum["autorecompute"],
@@ -389,7 +410,8 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
         # --quick: VGG only (Checkmate's model for goal 4, and the fastest search); half the solver time for
         # the dozen minimum-peak solves of the search, which the local search after each makes up for (GPT's
         # answers at 3 s equal those at 6 s, in 134 s instead of 174): the suite keeps under 30 min
-        summary["max_batch"] = max_batch(case, eager.peak, limit / 2)
+        with phase("max batch"):
+            summary["max_batch"] = max_batch(case, eager.peak, limit / 2)
         print(f"  max batch multiple at {format_bytes(eager.peak)}: {summary['max_batch']}", flush=True)
     return rows, summary
 
@@ -456,6 +478,8 @@ def main(argv=None) -> int:
         model_started = time.perf_counter()
         rows, summary = bench_model(name, args.quick, limit)
         summary["seconds"] = time.perf_counter() - model_started
+        summary["phases"] = {phase_name: round(seconds, 1) for phase_name, seconds in PHASES.items()}
+        print(f"  {name}: {summary['seconds']:.0f} s; phases {summary['phases']}", flush=True)
         all_rows += rows
         summaries.append(summary)
     out = ROOT / "benchmarks" / "results"

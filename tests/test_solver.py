@@ -228,3 +228,38 @@ def test_a_region_holds_its_inputs_until_the_last_backward_of_what_it_saves():
     assert memory_timeline(p, mlp)[3:9] == [110, 110, 170, 210, 110, 100]
     nothing_saved = Problem(**{**p.__dict__, "saves": {"a1": False, "a2": False, "out": False}})
     assert memory_timeline(nothing_saved, mlp)[3:9] == [100, 100, 160, 200, 100, 100]
+
+
+def test_the_local_search_moves_a_cut_by_one_op():
+    """a1 → a2 → n → m1 → m2 → out, like Llama's attention, the MLP's norm scale ``n`` and the MLP. With
+    the cut before n, a2's output is the MLP region's input and n's is made again with m1's at m2's
+    backward (120 B); with the cut one op later, n's output is the input and is not made again (110 B, the
+    brute-force minimum over keep / recompute / new region). Neither half of the move lowers the peak
+    alone; the ``shift`` move makes both at once."""
+    from autorecompute.memory_model import NEW_REGION
+
+    chain = ("a1", "a2", "n", "m1", "m2", "out")
+    backward = {"out": 6, "m2": 7, "m1": 8, "n": 9, "a2": 10, "a1": 11}
+
+    def act(owner, nbytes, saver):
+        return Activation(f"t_{owner}", owner=owner, nbytes=nbytes, hold_start=chain.index(saver) + 1,
+                          savers=(saver,), readers=(saver,), save_end=backward[saver], read_end=backward[saver],
+                          saver_ends=(backward[saver],))
+
+    p = Problem(chain=chain, recomputable=frozenset(chain[:5]), cost=dict.fromkeys(chain, 1),
+                flops=dict.fromkeys(chain, 1),
+                activations=(act("a1", 100, "a2"), act("a2", 10, "n"), act("n", 10, "m1"), act("m1", 100, "m2"),
+                             act("m2", 10, "out")),
+                fixed=(0,) * 6 + (50,) + (0,) * 5, num_forward=6, backward_op={q: op for op, q in backward.items()},
+                saves=dict.fromkeys(chain, True))
+    before_n = {"a1": True, "a2": True, "n": NEW_REGION, "m1": True, "m2": True}
+    before_m1 = {**before_n, "n": True, "m1": NEW_REGION}
+    brute = min(predicted_peak(p, dict(zip(chain, v)))
+                for v in itertools.product([False, True, NEW_REGION], repeat=5))
+    assert predicted_peak(p, before_n) == 120
+    assert predicted_peak(p, before_m1) == brute == 110
+    single = [{**before_n, op: not before_n.get(op)} for op in chain[:5]]
+    single += [{**before_n, op: True if before_n.get(op) == NEW_REGION else NEW_REGION} for op in chain[1:5]]
+    assert min(predicted_peak(p, r) for r in single) >= 120
+    found, _ = greedy.lower_peak(p, (before_n, {}))
+    assert predicted_peak(p, found) == 110
