@@ -263,3 +263,36 @@ def test_the_local_search_moves_a_cut_by_one_op():
     assert min(predicted_peak(p, r) for r in single) >= 120
     found, _ = greedy.lower_peak(p, (before_n, {}))
     assert predicted_peak(p, found) == 110
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_problems(), st.data())
+def test_the_cost_local_search_keeps_the_budget_and_never_costs_more(problem, data):
+    """From any plan that fits, ``greedy.lower_cost`` returns one that fits and costs no more; keeping an
+    op it runs again no longer fits or saves nothing (its stopping rule, for the single changes)."""
+    from autorecompute.memory_model import rerun_ops
+
+    assignments = list(all_assignments(problem))
+    peaks = [predicted_peak(problem, r) for r in assignments]
+    budget = sorted(peaks)[len(peaks) // 2]
+    start = data.draw(st.sampled_from([r for r, p in zip(assignments, peaks) if p <= budget]))
+    found, _ = greedy.lower_cost(problem, budget, (start, {}))
+    cost = extra_cost(problem, found)
+    assert predicted_peak(problem, found) <= budget
+    assert cost <= extra_cost(problem, start)
+    for op in rerun_ops(problem, found):
+        kept = {**found, op: False}
+        assert predicted_peak(problem, kept) > budget or extra_cost(problem, kept) >= cost
+
+
+def test_the_cost_local_search_keeps_an_op_with_one_change_that_makes_room():
+    """Four ops, each 100-B output saved by the next: under 200 B, recomputing op1 and op2 costs 6; keeping
+    op2 goes over alone and fits with op0 recomputed instead — 3, the brute-force optimum."""
+    p = chain_problem(4, nbytes=100)
+    p = Problem(**{**p.__dict__, "cost": {"op0": 2, "op1": 1, "op2": 5, "op3": 1}})
+    start = {"op0": False, "op1": True, "op2": True}
+    assert predicted_peak(p, start) <= 200 and extra_cost(p, start) == 6
+    assert extra_cost(p, greedy.descend(p, 200, (start, {}))[0]) == 6      # no op can be kept alone
+    found, _ = greedy.lower_cost(p, 200, (start, {}))
+    brute = min(extra_cost(p, r) for r in all_assignments(p) if predicted_peak(p, r) <= 200)
+    assert predicted_peak(p, found) <= 200 and extra_cost(p, found) == brute == 3
