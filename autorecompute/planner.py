@@ -46,8 +46,8 @@ NEAR_MINIMUM = 1.15   # budgets below this multiple of the heuristic minimum get
 # on the benchmark models it ends sooner (0.2-1.3 s), where no single change lowers the peak
 LOCAL_SEARCH_WORK = 2_000_000
 # the cost local search's work per second of solver time (greedy.lower_cost, after each cost solve that is not
-# optimal): about 0.6 s per second of limit on a 2-core CPU when it runs to the end; on the benchmark Llama it
-# takes the 6-s least-FLOPs plan at √N's peak from 37.7 to 33.6 MFLOP (three times as much work: 31.5)
+# optimal): about 0.6 s per second of limit on a 2-core CPU when it runs to the end; in the benchmark suite,
+# Llama's least-FLOPs plan at √N's peak runs 34.6 MFLOP again instead of 37.7 (31.5 with 4× the limit)
 COST_SEARCH_WORK = 500_000
 
 Decisions = tuple[dict[str, bool], dict[str, str]]     # (op → recomputed, activation → stash action)

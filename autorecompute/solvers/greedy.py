@@ -11,6 +11,7 @@ A plan here is a pair ``(recompute, stash)``: op → bool and activation → sta
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 from autorecompute.memory_model import (NEW_REGION, effective_stash, extra_cost, held_at, memory_timeline,
                                          predicted_peak)
@@ -277,32 +278,15 @@ def _descend(problem: Problem, recompute: dict[str, bool], stash: dict[str, str]
         for kind, name, value in moves:
             if used >= tries:
                 break
-            if kind == "shift":     # the cut before ``name`` moved to before ``value``
-                if recompute.get(name) != NEW_REGION or recompute.get(value) is not True:
-                    continue
-                used += 1
-                recompute[name], recompute[value] = True, NEW_REGION
-                now = score()
-                if now < best:
-                    best, changed = now, True
-                else:
-                    recompute[name], recompute[value] = NEW_REGION, True
-                continue
-            table = stash if kind == "stash" else recompute
-            if kind == "op":
-                value = not recompute.get(name, False)
-            elif kind == "region":
-                value = True if recompute.get(name) == NEW_REGION else NEW_REGION
-            elif stash.get(name) == value:
+            undo = _apply(recompute, stash, kind, name, value)
+            if undo is None:
                 continue
             used += 1
-            previous = table.get(name)
-            _set(table, name, value)
             now = score()
             if now < best:
                 best, changed = now, True
             else:
-                _set(table, name, previous)
+                undo()
     return best, used
 
 
@@ -407,45 +391,48 @@ def lower_cost(problem: Problem, budget: int, start: Decisions, work: int = 2_00
                 at = index.get(problem.backward_op.get(position, ""), -1)
                 if at >= 0:
                     near.update(problem.chain[max(0, at - window):at + window + 1])
-            found = None
             for kind, name, value in _moves(problem, owner, held) + _moves(problem, owner, near - held):
                 if tries <= 0:
                     break
-                trial, trial_stash = dict(recompute), dict(stash)
-                if not _apply(trial, trial_stash, kind, name, value):
+                undo = _apply(recompute, stash, kind, name, value)
+                if undo is None:
                     continue
                 tries -= 1
-                if predicted_peak(problem, trial, trial_stash) <= budget \
-                        and (now := extra_cost(problem, trial, trial_stash)) < cost:
-                    found = trial, trial_stash, now
+                if predicted_peak(problem, recompute, stash) <= budget \
+                        and (now := extra_cost(problem, recompute, stash)) < cost:
+                    cost, changed = now, True
                     break
-            if found is None:
+                undo()
+            if not changed:
                 recompute[op] = was
             else:
-                (recompute, stash, cost), changed = found, True
-            if changed:
                 # from the dearest op again: a cheap op kept first can take the room a dear one needed (on
                 # Llama, continuing the pass ends at 33.6 MFLOP, starting over at 31.5)
                 break
     return recompute, effective_stash(problem, recompute, stash)
 
 
-def _apply(recompute: dict, stash: dict, kind: str, name: str, value) -> bool:
-    """Makes the change ``(kind, name, value)`` of :func:`_moves` in place; False where it does not apply
-    (a shift of a cut that is not there, a stash action already set)."""
-    if kind == "op":
-        recompute[name] = not recompute.get(name, False)
-    elif kind == "region":
-        recompute[name] = True if recompute.get(name) == NEW_REGION else NEW_REGION
-    elif kind == "shift":
+def _apply(recompute: dict, stash: dict, kind: str, name: str, value) -> Callable[[], None] | None:
+    """Makes the change ``(kind, name, value)`` of :func:`_moves` in place and returns what undoes it; None
+    where it does not apply (a shift of a cut that is not there, a stash action already set)."""
+    if kind == "shift":      # the cut before ``name`` moved to before ``value``
         if recompute.get(name) != NEW_REGION or recompute.get(value) is not True:
-            return False
+            return None
         recompute[name], recompute[value] = True, NEW_REGION
+
+        def undo() -> None:
+            recompute[name], recompute[value] = NEW_REGION, True
+        return undo
+    table = stash if kind == "stash" else recompute
+    if kind == "op":
+        value = not recompute.get(name, False)
+    elif kind == "region":
+        value = True if recompute.get(name) == NEW_REGION else NEW_REGION
     elif stash.get(name) == value:
-        return False
-    else:
-        _set(stash, name, value)
-    return True
+        return None
+    previous = table.get(name)
+    _set(table, name, value)
+    return lambda: _set(table, name, previous)
 
 
 def best_under(problem: Problem, budget: int, work: int = 400_000) -> Decisions | None:
