@@ -14,7 +14,7 @@ import random
 from typing import Callable
 
 from autorecompute.memory_model import (NEW_REGION, effective_stash, extra_cost, held_at, memory_timeline,
-                                         predicted_peak)
+                                         predicted_peak, rerun_ops)
 from autorecompute.problem import Problem
 
 Decisions = tuple[dict[str, bool], dict[str, str]]
@@ -356,8 +356,6 @@ def lower_cost(problem: Problem, budget: int, start: Decisions, work: int = 2_00
         >>> cheaper[0], extra_cost(problem, *start), extra_cost(problem, *cheaper), predicted_peak(problem, *cheaper)
         ({'op0': True, 'op1': True, 'op2': False}, 6, 3, 200)
     """
-    from autorecompute.memory_model import rerun_ops
-
     recompute, stash = dict(start[0]), dict(start[1])
     owner = {act.name: act.owner for act in problem.activations}
     index = problem.index()
