@@ -22,6 +22,10 @@ checks both on every assignment of small problems). Regions are the maximal runs
   activation ``d`` it delivers by ``[t's restored_from, d.save_end]`` (see :func:`effective_stash`);
 * a rematerialization from the model's inputs (``"rematerialize:through"``) adds its recipe's temporaries
   (``transient_bytes``) at ``restored_from``, while it runs.
+* a region that makes its inputs from the region before it again (:func:`remakes`) does not hold what
+  that region's ops own, holds that region's inputs, makes the tensors it saves among them again with its
+  own (alive from its earliest saver of them to its end), and adds the remaking's tensors while it runs
+  where its recomputation starts (the backward of its last op that saves).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from autorecompute.problem import Problem
 
 
 NEW_REGION = "new region"   # a decision: recompute the op, in a region of its own from it on (see region_ids)
+REMAKE = "remake inputs"    # the same, and the region makes its inputs from the region before it again (see remakes)
 
 
 def region_ids(problem: Problem, recompute: Mapping[str, bool | str]) -> list[int]:
@@ -45,28 +50,71 @@ def region_ids(problem: Problem, recompute: Mapping[str, bool | str]) -> list[in
     for op in problem.chain:
         decision = recompute.get(op, False)
         on = bool(decision) and op in problem.recomputable
-        if on and (not previous_on or decision == NEW_REGION):
+        if on and (not previous_on or decision in (NEW_REGION, REMAKE)):
             current += 1
         ids.append(current if on else -1)
         previous_on = on
     return ids
 
 
+def remakes(problem: Problem, recompute: Mapping[str, bool | str], ids: list[int]) -> dict[int, int]:
+    """Region → the region before it, for each region that begins with an op decided :data:`REMAKE` right
+    after another region none of whose ops is in ``problem.unremakeable``.
+
+    Such a region does not hold the inputs the region before it makes: when it is recomputed in backward it
+    first runs the ops of the region before that make them again (without autograd, from that region's
+    inputs, which that region's checkpoint holds anyway) and drops them once it has run. A region that
+    recomputes q and k for softmax's backward then leaves the normalized input and the projections they are
+    made from to be made again later, for their own backward, instead of holding them through it.
+    """
+    found: dict[int, int] = {}
+    for k, op in enumerate(problem.chain):
+        if k and ids[k] > 0 and ids[k - 1] == ids[k] - 1 and recompute.get(op) == REMAKE:
+            found[ids[k]] = ids[k - 1]
+    if found and problem.unremakeable:
+        blocked = {ids[k] for k, op in enumerate(problem.chain) if op in problem.unremakeable and ids[k] >= 0}
+        found = {later: earlier for later, earlier in found.items() if earlier not in blocked}
+    return found
+
+
+def remade_ops(problem: Problem, ids: list[int], made: Mapping[int, int]) -> dict[int, list[str]]:
+    """For each region in ``made`` (:func:`remakes`), the ops of the region before it that its recomputation
+    runs again: those that make what it reads, and the ops they read from, within that region."""
+    if not made:
+        return {}
+    index = problem.index()
+    readers_of: dict[str, list[str]] = {}
+    for act in problem.activations:
+        readers_of.setdefault(act.owner, []).extend(act.readers)
+    found = {}
+    for later, earlier in made.items():
+        members = [op for op, r in zip(problem.chain, ids) if r == earlier]
+        needed: set[str] = set()
+        for op in reversed(members):     # readers come after what they read
+            if any(r in needed or (r in index and ids[index[r]] == later) for r in readers_of.get(op, ())):
+                needed.add(op)
+        found[later] = [op for op in members if op in needed]
+    return found
+
+
 def rerun_ops(problem: Problem, recompute: Mapping[str, bool]) -> list[str]:
-    """The recomputed ops that run again in backward, in chain order.
+    """The recomputed ops that run again in backward, in chain order, then the ops regions run again to
+    remake their inputs (:func:`remakes`: those run a third time when their own region runs again too).
 
     Non-reentrant ``torch.utils.checkpoint`` stops recomputing a region once every tensor the region saved
     in forward is saved again (its early stop): the ops after the region's last saver never run again, and
     neither does that saver when it keeps only tensors made before it (inputs are saved before an op runs).
     A region ending in a matmul whose input the region makes therefore costs nothing for the matmul.
     """
-    return _rerun(problem, region_ids(problem, recompute))
+    ids = region_ids(problem, recompute)
+    return _rerun(problem, ids, remakes(problem, recompute, ids))
 
 
-def _rerun(problem: Problem, ids: list[int]) -> list[str]:
-    """:func:`rerun_ops` from the chain's region ids (:func:`region_ids`)."""
+def _rerun(problem: Problem, ids: list[int], made: Mapping[int, int] | None = None) -> list[str]:
+    """:func:`rerun_ops` from the chain's region ids (:func:`region_ids`) and :func:`remakes`."""
+    remade = [op for ops in remade_ops(problem, ids, made or {}).values() for op in ops]
     if problem.saves is None:
-        return [op for op, region in zip(problem.chain, ids) if region >= 0]
+        return [op for op, region in zip(problem.chain, ids) if region >= 0] + remade
     last_saver: dict[int, int] = {}
     for i, (op, region) in enumerate(zip(problem.chain, ids)):
         if region >= 0 and op in problem.saves:
@@ -76,7 +124,7 @@ def _rerun(problem: Problem, ids: list[int]) -> list[str]:
         end = last_saver.get(region, -1) if region >= 0 else -1
         if i < end or (i == end and problem.saves[op]):
             rerun.append(op)
-    return rerun
+    return rerun + remade
 
 
 @dataclass(frozen=True)
@@ -119,12 +167,17 @@ def region_ends(problem: Problem, region: list[int]) -> dict[int, int] | None:
     return ends
 
 
-def _holders(act, region: list[int], index: Mapping[str, int],
-             ends: Mapping[int, int] | None) -> tuple[int, bool, bool, int]:
+def _holders(act, region: list[int], index: Mapping[str, int], ends: Mapping[int, int] | None,
+             made: Mapping[int, int] | None = None) -> tuple[int, bool, bool, int]:
     """``(owner's region, held as a region input, held by a kept saver, last position anything holds it)``
-    of ``act`` (-1: nothing does); ``ends``: :func:`region_ends`."""
+    of ``act`` (-1: nothing does); ``ends``: :func:`region_ends`; ``made``: :func:`remakes`."""
     owner_region = region[index[act.owner]] if act.owner in index else -1
     holding = {region[index[c]] for c in act.readers if c in index} - {-1, owner_region}
+    if made:
+        # a region that remakes what the region before it makes does not hold it, and holds that region's
+        # inputs (it makes them from those)
+        holding = {h for h in holding if made.get(h, -2) != owner_region}
+        holding |= {later for later, earlier in made.items() if earlier in holding}
     input_end = -1 if not holding else act.read_end if ends is None else max(ends.get(h, -1) for h in holding)
     saver_end = max((act.saver_end(i) for i, s in enumerate(act.savers)
                      if s not in index or region[index[s]] < 0), default=-1)
@@ -148,6 +201,7 @@ def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stas
     index = problem.index()
     region = region_ids(problem, recompute)
     ends = region_ends(problem, region)
+    made = remakes(problem, recompute, region)
     by_name = {act.name: act for act in problem.activations}
     chosen = {name: option for name, action in stash.items()
               if (option := problem.stash_option(name, action)) is not None}
@@ -158,7 +212,7 @@ def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stas
     stashed = set(taken)
 
     def can_stash(act) -> bool:
-        _, as_input, by_saver, _ = _holders(act, region, index, ends)
+        _, as_input, by_saver, _ = _holders(act, region, index, ends, made)
         return bool(act.savers) and act.save_end >= act.hold_start and by_saver and not as_input
 
     effective = {}
@@ -190,8 +244,11 @@ def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None
     ends = region_ends(problem, region)
     effective = effective_stash(problem, recompute, stash)
     made_by = delivered(problem, effective)
+    made = remakes(problem, recompute, region)
+    if made:
+        yield from _remade_pieces(problem, region, made, index)
     for act in problem.activations:
-        owner_region, as_input, by_saver, hold_end = _holders(act, region, index, ends)
+        owner_region, as_input, by_saver, hold_end = _holders(act, region, index, ends, made)
         option = problem.stash_option(act.name, effective.get(act.name))
         if option is not None:     # (effective: a kept saver holds it, no region does)
             yield act, option.stored_from, act.save_end, "stashed", option.stored_bytes
@@ -212,11 +269,43 @@ def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None
                 yield act, index[first], end, "recomputed", act.nbytes
 
 
+def _remade_pieces(problem: Problem, region: list[int], made: Mapping[int, int], index: Mapping[str, int]):
+    """The :func:`_pieces` of regions that remake their inputs (:func:`remakes`): each input it saves, alive
+    from its recomputation to its earliest saver's backward in it, and the remaking's own tensors while
+    it runs, when the region's recomputation starts (at the backward of its last op that saves)."""
+    remade = remade_ops(problem, region, made)
+    owned: dict[str, list] = {}
+    for act in problem.activations:
+        owned.setdefault(act.owner, []).append(act)
+    for later, earlier in made.items():
+        members = [k for k, r in enumerate(region) if r == later]
+        end = members[-1]
+        savers = [k for k in members if problem.saves is None or problem.chain[k] in problem.saves]
+        start = savers[-1] if savers else end
+        ops = remade[later]
+        steps = {op: i for i, op in enumerate(ops)}
+        live, peak, saved, frees = 0, 0, 0, [0] * (len(ops) + 1)
+        for i, op in enumerate(ops):
+            for act in owned.get(op, ()):
+                in_later = [index[c] for c in (*act.readers, *act.savers) if c in index and region[index[c]] == later]
+                last = len(ops) if in_later else max((steps[c] for c in act.readers if c in steps), default=i)
+                live += act.nbytes
+                frees[last] += act.nbytes
+                saved_in_later = [index[s] for s in act.savers if s in index and region[index[s]] == later]
+                if saved_in_later:
+                    saved += act.nbytes
+                    yield act, min(saved_in_later), end, "recomputed", act.nbytes
+            peak = max(peak, live)
+            live -= frees[i]
+        # the remade inputs live on while the region runs (those it saves are counted above, from ``start``)
+        yield None, start, start, "recomputed", peak - saved
+
+
 def held_at(problem: Problem, recompute: Mapping[str, bool], position: int,
             stash: Stash | None = None) -> set[str]:
     """Owners of the activations held (not recomputed) at ``position``: what the peak is made of."""
     return {act.owner for act, start, end, kind, _ in _pieces(problem, recompute, stash)
-            if kind == "held" and start <= position <= end}
+            if kind == "held" and start <= position <= end and act is not None}
 
 
 def memory_components(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> Timeline:
@@ -322,6 +411,6 @@ def extra_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | N
     """The solver's objective: the recompute cost of the ops run again (:func:`rerun_ops`), ``region_cost``
     per recomputed region, and the cost of the stash choices that take effect."""
     ids = region_ids(problem, recompute)
-    ops = sum(problem.cost[op] for op in _rerun(problem, ids))
+    ops = sum(problem.cost[op] for op in _rerun(problem, ids, remakes(problem, recompute, ids)))
     regions = max(ids, default=-1) + 1
     return ops + problem.region_cost * regions + stash_cost(problem, recompute, stash)

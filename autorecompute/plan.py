@@ -19,7 +19,7 @@ from autorecompute.problem import GRADIENT
 
 # 5: the ``rematerialize:through`` action; 4: the ``rematerialize:chain`` action, ``delivers`` / ``delivered_by``;
 # 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``; 2: ``stash``
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 ACTIONS = ("keep", "recompute", "rematerialize", "offload", "compress")
 
 
@@ -103,6 +103,8 @@ class Plan:
         at_peak: kept ops whose activations are held at the plan's peak: what the peak is made of.
         region_starts: recomputed ops that begin a checkpointed region of their own although the op
             before them is recomputed too (elsewhere a region is a maximal run of recomputed ops).
+        region_remakes: those of ``region_starts`` whose region, when it is recomputed, makes the inputs
+            the region before it made again (from that region's inputs) instead of holding them.
     """
 
     budget: int
@@ -129,6 +131,7 @@ class Plan:
     at_peak: tuple[str, ...] = ()
     stash: dict[str, StashRecord] = field(default_factory=dict)
     region_starts: tuple[str, ...] = ()
+    region_remakes: tuple[str, ...] = ()
 
     # ---- queries -------------------------------------------------------------------------------------
     def count(self, action: str) -> int:
@@ -162,7 +165,9 @@ class Plan:
             rows.append({"name": name, "action": action, "module": node.module, "shape": tuple(node.shape),
                          "dtype": node.dtype, "bytes": node.nbytes, "held_bytes": node.held_bytes,
                          "flops": node.flops, "why": _why(action, node, name in self.at_peak, self._stashed_of(name))
-                         + ("; begins a region of its own" if name in self.region_starts else "")})
+                         + ("; begins a region of its own" if name in self.region_starts else "")
+                         + (" that makes its inputs from the region before again" if name in self.region_remakes
+                            else "")})
         return rows
 
     def _stashed_of(self, op: str) -> list[StashRecord]:
@@ -195,7 +200,7 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         data = json.loads(text)
         version = data.pop("schema_version", None)
-        if version not in (1, 2, 3, 4, 5, SCHEMA_VERSION):
+        if version not in (1, 2, 3, 4, 5, 6, SCHEMA_VERSION):
             raise ValueError(f"plan JSON has schema_version {version!r}; this autorecompute reads "
                              f"1 to {SCHEMA_VERSION}")
         known = {f.name for f in fields(cls)}
@@ -205,6 +210,7 @@ class Plan:
         data["edges"] = tuple(tuple(e) for e in data.get("edges", ()))
         data["at_peak"] = tuple(data.get("at_peak", ()))
         data["region_starts"] = tuple(data.get("region_starts", ()))
+        data["region_remakes"] = tuple(data.get("region_remakes", ()))
         data["stash"] = {k: StashRecord(**{**v, "shape": tuple(v["shape"]), "recipe": tuple(v.get("recipe", ())),
                                            "delivers": tuple(v.get("delivers", ()))})
                          for k, v in data.get("stash", {}).items()}

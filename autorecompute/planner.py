@@ -18,7 +18,7 @@ import torch.fx
 from autorecompute.budget import parse_budget, resolve_budget
 from autorecompute.errors import InfeasibleBudgetError
 from autorecompute.memory_model import (effective_stash, extra_cost, extra_flops, held_at, memory_components,
-                                         memory_timeline, predicted_peak, region_ids)
+                                         memory_timeline, predicted_peak, region_ids, remakes)
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import node_info, step_profile, profile_step
@@ -152,6 +152,13 @@ def _region_starts(problem: Problem, recompute: dict[str, bool]) -> tuple[str, .
                  and ids[k] != ids[k - 1])
 
 
+def _region_remakes(problem: Problem, recompute: dict[str, bool]) -> tuple[str, ...]:
+    """The first ops of the regions that make their inputs from the region before them again (``remakes``)."""
+    ids = region_ids(problem, recompute)
+    made = remakes(problem, recompute, ids)
+    return tuple(op for k, op in enumerate(problem.chain) if ids[k] in made and (k == 0 or ids[k - 1] != ids[k]))
+
+
 def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options: PlannerOptions,
               signature: str = "") -> Planned:
     """Plans ``model`` for inputs ``(args, kwargs)`` under ``budget`` (see :func:`autorecompute.compile`)."""
@@ -176,7 +183,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     def verify(decisions: Decisions) -> tuple[torch.nn.Module, int]:
         recompute, stash = decisions
         candidate = rewrite_recompute(clone_graph_module(gm), _decisions(problem, recompute),
-                                      _region_starts(problem, recompute))
+                                      _region_starts(problem, recompute), _region_remakes(problem, recompute))
         if stash:
             prefetch = {name: problem.stash_option(name, action).restored_from - problem.num_forward
                         for name, action in stash.items()}
@@ -340,7 +347,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     plan = Plan(
         budget=budget_bytes, predicted_peak=peak, baseline_peak=baseline_peak, minimum_peak=minimum_peak,
         model_peak=predicted_peak(problem, recompute, stash), decisions=_decisions(problem, recompute),
-        region_starts=_region_starts(problem, recompute),
+        region_starts=_region_starts(problem, recompute), region_remakes=_region_remakes(problem, recompute),
         extra_flops=extra_flops(problem, recompute, stash), baseline_flops=sum(problem.flops.values()),
         solver_status=status, solver_time=solve_time, solver_gap=gap,
         plan_time=time.perf_counter() - started, actions=options.actions, objective=options.objective, resident=dict(profile.resident),

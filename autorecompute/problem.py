@@ -121,6 +121,9 @@ class Problem:
     # stops a region's recomputation at its last save, so the ops after the region's last saver, and that
     # saver itself when False, are not run again. None: not known, every recomputed op runs again.
     saves: dict[str, bool] | None = None
+    # ops a region's recomputation cannot run again to remake its inputs (memory_model.REMAKE): random ops
+    # (the region replays its own RNG state, not theirs) and ops that update state
+    unremakeable: frozenset[str] = frozenset()
 
     @property
     def num_positions(self) -> int:

@@ -170,7 +170,8 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
         chain=chain, recomputable=recomputable, cost=cost, flops={op: node_info(nodes[op]).flops for op in chain},
         activations=tuple(activations), fixed=tuple([0] * num_positions), num_forward=num_forward,
         backward_op=backward_op, bytes_at_rest=dict(profile.resident), region_cost=device.seconds_to_cost(device.region_seconds),
-        stash_options=options, saves=saves)
+        stash_options=options, saves=saves,
+        unremakeable=frozenset(op for op in chain if is_random(nodes[op]) or _unreplayable(nodes[op])))
     return calibrate(problem, measured)
 
 

@@ -13,7 +13,7 @@ from typing import Collection, Mapping
 import torch
 import torch.fx
 
-from autorecompute.runtime.regions import BATCH_NORM, CheckpointRegion, batch_norm_once
+from autorecompute.runtime.regions import BATCH_NORM, CheckpointRegion, RemakingRegion, batch_norm_once
 
 REGION_MEMBERS = "autorecompute_region"    # node.meta key of a region call: names of the ops it runs
 SOURCE = "autorecompute_source"            # node.meta key of a region output: the op it stands for
@@ -86,10 +86,12 @@ def _device_of(nodes: list[torch.fx.Node]) -> str | None:
 
 
 def rewrite_recompute(gm: torch.fx.GraphModule, decisions: Mapping[str, str],
-                      starts: Collection[str] = ()) -> torch.fx.GraphModule:
+                      starts: Collection[str] = (), remakes: Collection[str] = ()) -> torch.fx.GraphModule:
     """Rewrites ``gm`` in place (and returns it) so that ops marked ``"recompute"`` are recomputed in backward,
     each run of them in one checkpointed region (a new one from each op in ``starts``, the plan's
-    ``region_starts``).
+    ``region_starts``). A region that begins with an op in ``remakes`` (the plan's ``region_remakes``, also
+    in ``starts``) makes what it reads from the region before it again when it is recomputed, from that
+    region's inputs, instead of holding it (a :class:`RemakingRegion`).
 
     Example:
         >>> import torch.fx
@@ -98,38 +100,67 @@ def rewrite_recompute(gm: torch.fx.GraphModule, decisions: Mapping[str, str],
         >>> print(gm.code.strip().splitlines()[1].strip())
         recompute_region_0 = self.recompute_region_0(x);  x = None
     """
-    for k, region in enumerate(find_regions(gm.graph, decisions, starts)):
-        _outline(gm, region, f"recompute_region_{k}")
+    regions = find_regions(gm.graph, decisions, starts)
+    # last first: a region that remakes its inputs reads the nodes of the region before it, outlined after it
+    for k in reversed(range(len(regions))):
+        before = regions[k - 1] if k and regions[k][0].name in remakes else None
+        _outline(gm, regions[k], f"recompute_region_{k}", before)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def _outline(gm: torch.fx.GraphModule, region: list[torch.fx.Node], name: str) -> None:
+def _inputs(region: list[torch.fx.Node]) -> list[torch.fx.Node]:
     members = set(region)
     inputs: list[torch.fx.Node] = []
     for node in region:
         for arg in node.all_input_nodes:
             if arg not in members and arg not in inputs:
                 inputs.append(arg)
-    outputs = [node for node in region if any(user not in members for user in node.users)]
+    return inputs
 
+
+def _body(nodes: list[torch.fx.Node], inputs: list[torch.fx.Node], outputs: list[torch.fx.Node],
+          prune: bool = False) -> torch.fx.GraphModule:
+    """A GraphModule ``(recomputing, *inputs) -> tuple(outputs)`` running ``nodes`` (with ``prune``, only
+    those ``outputs`` need: a remaking, which runs without autograd and updates nothing)."""
     body = torch.fx.Graph()
     recomputing = body.placeholder("recomputing")
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for arg in inputs:
         env[arg] = body.placeholder(arg.name)
         env[arg].meta = dict(arg.meta)
-    for node in region:
+    for node in nodes:
         env[node] = copy_replaying(body, node, env.__getitem__, recomputing)
     body.output(tuple(env[node] for node in outputs))
-    body_module = torch.fx.GraphModule(torch.nn.Module(), body, class_name="RegionBody")
+    if prune:
+        body.eliminate_dead_code()
+    return torch.fx.GraphModule(torch.nn.Module(), body, class_name="RegionBody")
+
+
+def _outline(gm: torch.fx.GraphModule, region: list[torch.fx.Node], name: str,
+             before: list[torch.fx.Node] | None = None) -> None:
+    members = set(region)
+    inputs = _inputs(region)
+    outputs = [node for node in region if any(user not in members for user in node.users)]
+    body_module = _body(region, inputs, outputs)
     device = _device_of(region)
     preserve_rng = any(_is_random(n) for n in region) and device not in (None, "meta")
-    gm.add_submodule(name, CheckpointRegion(body_module, preserve_rng_state=preserve_rng))
+    if before is None:
+        gm.add_submodule(name, CheckpointRegion(body_module, preserve_rng_state=preserve_rng))
+        call_args = tuple(inputs)
+    else:
+        # the inputs the region before makes are made again from that region's inputs
+        made_before = set(before)
+        remade = [i for i, arg in enumerate(inputs) if arg in made_before]
+        before_inputs = _inputs(before)
+        remake = _body(before, before_inputs, [inputs[i] for i in remade], prune=True)
+        gm.add_submodule(name, RemakingRegion(body_module, remake, len(before_inputs), tuple(remade),
+                                              preserve_rng_state=preserve_rng))
+        call_args = (*before_inputs, *inputs)
 
     with gm.graph.inserting_after(region[-1]):
-        call = gm.graph.call_module(name, tuple(inputs))
+        call = gm.graph.call_module(name, call_args)
     call.meta[REGION_MEMBERS] = [node.name for node in region]
     replacements = []
     with gm.graph.inserting_after(call):

@@ -49,6 +49,62 @@ class CheckpointRegion(torch.nn.Module):
         return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=self.preserve_rng_state)
 
 
+class RemakingRegion(torch.nn.Module):
+    """A :class:`CheckpointRegion` that does not hold the inputs the region before it made: called with
+    that region's inputs first, then its own, it hands checkpoint only the others, and when it is
+    recomputed it makes those inputs again with ``remake(True, *inputs_before)`` (without autograd; they
+    are detached and require grad as in forward, so its ops save the same tensors) and drops them once it
+    has run.
+
+    The region before must not be random: the recomputation replays this region's RNG state, not its.
+
+    Example:
+        >>> import torch.fx
+        >>> body = torch.fx.symbolic_trace(lambda recomputing, h: (h.exp(),))
+        >>> remake = torch.fx.symbolic_trace(lambda recomputing, x: (x.sin(),))
+        >>> region = RemakingRegion(body, remake, num_before=1, remade=(0,), preserve_rng_state=False)
+        >>> x = torch.randn(4, requires_grad=True)
+        >>> region(x, x.sin())[0].sum().backward()
+        >>> torch.allclose(x.grad, x.sin().exp() * x.cos())
+        True
+    """
+
+    def __init__(self, body: torch.nn.Module, remake: torch.nn.Module, num_before: int, remade: tuple[int, ...],
+                 preserve_rng_state: bool):
+        super().__init__()
+        self.body = body
+        self.remake = remake
+        self.num_before = num_before
+        self.remade = remade
+        self.preserve_rng_state = preserve_rng_state
+
+    def forward(self, *inputs):
+        before, own = inputs[:self.num_before], inputs[self.num_before:]
+        made_in_forward = [own[i] for i in self.remade]
+        requires_grad = [t.requires_grad for t in made_in_forward]
+        kept = [t for i, t in enumerate(own) if i not in self.remade]
+        count, calls = len(own), 0
+        del inputs, own       # the closure below must not hold the remade inputs after forward
+
+        def run(*args):
+            nonlocal calls, made_in_forward
+            recomputing = calls > 0
+            calls += 1
+            before_args, rest = args[:self.num_before], list(args[self.num_before:])
+            if recomputing:
+                with torch.no_grad():
+                    made = self.remake(True, *before_args)
+                values = [t.detach().requires_grad_(g) for t, g in zip(made, requires_grad)]
+            else:
+                values, made_in_forward = made_in_forward, None     # not held by this closure after forward
+            full = []
+            for i in range(count):
+                full.append(values[self.remade.index(i)] if i in self.remade else rest.pop(0))
+            return self.body(recomputing, *full)
+
+        return checkpoint(run, *before, *kept, use_reentrant=False, preserve_rng_state=self.preserve_rng_state)
+
+
 def batch_norm_once(recomputing: bool, input, weight, bias, running_mean, running_var, training: bool,
                     momentum: float, eps: float, cudnn_enabled: bool):
     """``aten.batch_norm`` that updates running statistics in forward only, not when recomputed.

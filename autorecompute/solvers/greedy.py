@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from autorecompute.memory_model import (NEW_REGION, effective_stash, extra_cost, held_at, memory_timeline,
+from autorecompute.memory_model import (NEW_REGION, REMAKE, effective_stash, extra_cost, held_at, memory_timeline,
                                          predicted_peak, rerun_ops)
 from autorecompute.problem import Problem
 
@@ -246,7 +246,8 @@ def _moves(problem: Problem, owner: dict[str, str], within: set[str] | None = No
     """The single changes of ``lower_peak``, among ops in ``within`` (None: all): ``("op", op, None)``
     toggles it, ``("region", op, None)`` recomputes it starting a region (or, when it does, in the region
     before it), ``("shift", op, other)`` moves the cut before ``op`` to before its neighbour ``other``,
-    ``("stash", name, action)`` sets a stash action of an activation those ops own (None:
+    ``("remake", op, None)`` starts a region at it that makes its inputs from the region before again
+    (:data:`~autorecompute.memory_model.REMAKE`; or, when it does, one that holds them), ``("stash", name, action)`` sets a stash action of an activation those ops own (None:
     drops it)."""
     moves = [("op", op, None) for op in sorted(problem.recomputable) if within is None or op in within]
     # recompute in a region of its own (or rejoin the region before): where the op before can be recomputed
@@ -256,6 +257,9 @@ def _moves(problem: Problem, owner: dict[str, str], within: set[str] | None = No
     # a cut moved by one op, both ways (a pair of changes neither of which lowers the peak alone: on Llama the
     # cut before the MLP's norm scale, moved after it, makes the scaled input the MLP region's one input)
     moves += [("shift", before, op) for before, op in pairs] + [("shift", op, before) for before, op in pairs]
+    # a region that makes its inputs from the region before again (on Llama the first layer's attention,
+    # cut at the query projection: its norm and embedding are not held through softmax's backward)
+    moves += [("remake", op, None) for _, op in pairs]
     moves += [("stash", name, action) for name, options in sorted(problem.stash_options.items())
               if within is None or owner.get(name) in within
               for action in (*(o.action for o in options), None)]
@@ -414,18 +418,21 @@ def _apply(recompute: dict, stash: dict, kind: str, name: str, value) -> Callabl
     """Makes the change ``(kind, name, value)`` of :func:`_moves` in place and returns what undoes it; None
     where it does not apply (a shift of a cut that is not there, a stash action already set)."""
     if kind == "shift":      # the cut before ``name`` moved to before ``value``
-        if recompute.get(name) != NEW_REGION or recompute.get(value) is not True:
+        cut = recompute.get(name)
+        if cut not in (NEW_REGION, REMAKE) or recompute.get(value) is not True:
             return None
-        recompute[name], recompute[value] = True, NEW_REGION
+        recompute[name], recompute[value] = True, cut
 
         def undo() -> None:
-            recompute[name], recompute[value] = NEW_REGION, True
+            recompute[name], recompute[value] = cut, True
         return undo
     table = stash if kind == "stash" else recompute
     if kind == "op":
         value = not recompute.get(name, False)
     elif kind == "region":
         value = True if recompute.get(name) == NEW_REGION else NEW_REGION
+    elif kind == "remake":
+        value = NEW_REGION if recompute.get(name) == REMAKE else REMAKE
     elif stash.get(name) == value:
         return None
     previous = table.get(name)
