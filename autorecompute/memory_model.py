@@ -59,7 +59,8 @@ def region_ids(problem: Problem, recompute: Mapping[str, bool | str]) -> list[in
 
 def remakes(problem: Problem, recompute: Mapping[str, bool | str], ids: list[int]) -> dict[int, int]:
     """Region → the region before it, for each region that begins with an op decided :data:`REMAKE` right
-    after another region none of whose ops is in ``problem.unremakeable``.
+    after another region none of whose ops is in ``problem.unremakeable`` and that remakes nothing itself,
+    and saves a tensor for backward (else it is never recomputed).
 
     Such a region does not hold the inputs the region before it makes: when it is recomputed in backward it
     first runs the ops of the region before that make them again (without autograd, from that region's
@@ -71,10 +72,15 @@ def remakes(problem: Problem, recompute: Mapping[str, bool | str], ids: list[int
     for k, op in enumerate(problem.chain):
         if k and ids[k] > 0 and ids[k - 1] == ids[k] - 1 and recompute.get(op) == REMAKE:
             found[ids[k]] = ids[k - 1]
-    if found and problem.unremakeable:
-        blocked = {ids[k] for k, op in enumerate(problem.chain) if op in problem.unremakeable and ids[k] >= 0}
-        found = {later: earlier for later, earlier in found.items() if earlier not in blocked}
-    return found
+    if not found:
+        return found
+    unremakeable = {ids[k] for k, op in enumerate(problem.chain) if op in problem.unremakeable and ids[k] >= 0}
+    # a region that saves nothing is never recomputed: it would hold the region before's inputs for nothing
+    saving = set(found) if problem.saves is None else {
+        ids[k] for k, op in enumerate(problem.chain) if op in problem.saves and ids[k] >= 0}
+    # not from a region that remakes its own inputs: those are among the inputs this one would hold
+    return {later: earlier for later, earlier in found.items()
+            if earlier not in unremakeable and later in saving and earlier not in found}
 
 
 def remade_ops(problem: Problem, ids: list[int], made: Mapping[int, int]) -> dict[int, list[str]]:

@@ -120,10 +120,17 @@ def _inputs(region: list[torch.fx.Node]) -> list[torch.fx.Node]:
     return inputs
 
 
-def _body(nodes: list[torch.fx.Node], inputs: list[torch.fx.Node], outputs: list[torch.fx.Node],
-          prune: bool = False) -> torch.fx.GraphModule:
-    """A GraphModule ``(recomputing, *inputs) -> tuple(outputs)`` running ``nodes`` (with ``prune``, only
-    those ``outputs`` need: a remaking, which runs without autograd and updates nothing)."""
+def _needed(nodes: list[torch.fx.Node], outputs: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The nodes of ``nodes`` (a region, in graph order) that ``outputs`` are made from."""
+    members, needed = set(nodes), set(outputs)
+    for node in reversed(nodes):
+        if node in needed:
+            needed.update(arg for arg in node.all_input_nodes if arg in members)
+    return [node for node in nodes if node in needed]
+
+
+def _body(nodes: list[torch.fx.Node], inputs: list[torch.fx.Node], outputs: list[torch.fx.Node]) -> torch.fx.GraphModule:
+    """A GraphModule ``(recomputing, *inputs) -> tuple(outputs)`` running ``nodes``."""
     body = torch.fx.Graph()
     recomputing = body.placeholder("recomputing")
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -133,8 +140,6 @@ def _body(nodes: list[torch.fx.Node], inputs: list[torch.fx.Node], outputs: list
     for node in nodes:
         env[node] = copy_replaying(body, node, env.__getitem__, recomputing)
     body.output(tuple(env[node] for node in outputs))
-    if prune:
-        body.eliminate_dead_code()
     return torch.fx.GraphModule(torch.nn.Module(), body, class_name="RegionBody")
 
 
@@ -146,15 +151,16 @@ def _outline(gm: torch.fx.GraphModule, region: list[torch.fx.Node], name: str,
     body_module = _body(region, inputs, outputs)
     device = _device_of(region)
     preserve_rng = any(_is_random(n) for n in region) and device not in (None, "meta")
-    if before is None:
+    # the tensors the region before makes, made again from that region's inputs (the ops they need)
+    made_before = set(before or ())
+    remade = [i for i, arg in enumerate(inputs) if arg in made_before]
+    if not remade:
         gm.add_submodule(name, CheckpointRegion(body_module, preserve_rng_state=preserve_rng))
         call_args = tuple(inputs)
     else:
-        # the inputs the region before makes are made again from that region's inputs
-        made_before = set(before)
-        remade = [i for i, arg in enumerate(inputs) if arg in made_before]
-        before_inputs = _inputs(before)
-        remake = _body(before, before_inputs, [inputs[i] for i in remade], prune=True)
+        needed = _needed(before, [inputs[i] for i in remade])
+        before_inputs = _inputs(needed)
+        remake = _body(needed, before_inputs, [inputs[i] for i in remade])
         gm.add_submodule(name, RemakingRegion(body_module, remake, len(before_inputs), tuple(remade),
                                               preserve_rng_state=preserve_rng))
         call_args = (*before_inputs, *inputs)

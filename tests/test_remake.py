@@ -44,6 +44,23 @@ def test_a_remaking_after_a_kept_op_or_a_random_region_is_a_plain_cut():
     remade = {"a": True, "b": REMAKE}
     assert remakes(random, remade, region_ids(random, remade)) == {}
     assert memory_timeline(random, remade) == memory_timeline(random, {"a": True, "b": NEW_REGION})
+    random_after = replace(problem, unremakeable=frozenset({"b"}))    # it replays its own RNG state
+    assert remakes(random_after, remade, region_ids(random_after, remade)) == {1: 0}
+    silent = replace(problem, saves={"a": True})         # b's region saves nothing: it is never recomputed
+    assert remakes(silent, remade, region_ids(silent, remade)) == {}
+
+
+def test_a_region_does_not_remake_from_a_region_that_remakes():
+    """Region c would hand checkpoint the inputs of region b, among them ``a``'s output, which b remakes:
+    it would hold what b's remaking is there to drop. Only b remakes."""
+    def act(owner, saver, nbytes, position):
+        return Activation(f"h{owner}", owner=owner, nbytes=nbytes, hold_start=position, savers=(saver,),
+                          readers=(saver,), save_end=position, read_end=position)
+    problem = Problem(chain=("a", "b", "c"), recomputable=frozenset("abc"), cost=dict.fromkeys("abc", 1),
+                      flops={}, activations=(act("a", "b", 100, 4), act("b", "c", 10, 3)), fixed=(0,) * 6,
+                      num_forward=3, backward_op={3: "c", 4: "b", 5: "a"}, saves=dict.fromkeys("bc", False))
+    both = {"a": True, "b": REMAKE, "c": REMAKE}
+    assert remakes(problem, both, region_ids(problem, both)) == {1: 0}
 
 
 def chain(x):

@@ -81,7 +81,7 @@ class RemakingRegion(torch.nn.Module):
     def forward(self, *inputs):
         before, own = inputs[:self.num_before], inputs[self.num_before:]
         made_in_forward = [own[i] for i in self.remade]
-        requires_grad = [t.requires_grad for t in made_in_forward]
+        requires_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in made_in_forward]
         kept = [t for i, t in enumerate(own) if i not in self.remade]
         count, calls = len(own), 0
         del inputs, own       # the closure below must not hold the remade inputs after forward
@@ -94,7 +94,8 @@ class RemakingRegion(torch.nn.Module):
             if recomputing:
                 with torch.no_grad():
                     made = self.remake(True, *before_args)
-                values = [t.detach().requires_grad_(g) for t, g in zip(made, requires_grad)]
+                values = [t.detach().requires_grad_(g) if isinstance(t, torch.Tensor) else t
+                          for t, g in zip(made, requires_grad)]
             else:
                 values, made_in_forward = made_in_forward, None     # not held by this closure after forward
             full = []
