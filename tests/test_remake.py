@@ -86,3 +86,31 @@ def test_the_remaking_region_frees_its_input_after_forward_with_the_same_gradien
     size = x.numel() * x.element_size()
     assert live["cut"] == 2 * size and live["remake"] == size      # the output; and h, held by the cut
     assert torch.equal(grads["remake"], eager) and torch.equal(grads["cut"], eager)
+
+
+class ScaledExp(torch.nn.Module):
+    """The region before makes an alias of a parameter (as ``to`` to its own dtype does) besides ``h``."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.randn(64))
+
+    def forward(self, x):
+        h = x * 3.0
+        scale = torch.ops.aten.alias.default(self.scale)
+        return torch.exp(h) * scale
+
+
+def test_a_remaking_runs_under_flop_counting_and_counts_what_runs_again():
+    """FlopCounterMode tracks modules with hooks that need a grad_fn on every output requiring grad; the
+    remaking (without autograd) makes a parameter's alias that has none. It runs, and the gradients are
+    eager's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, x = ScaledExp(), torch.randn(64, requires_grad=True)
+    eager = torch.autograd.grad(model(x).sum(), (x, model.scale))
+    decisions = dict.fromkeys(("mul", "alias_default", "exp", "mul_1"), "recompute")
+    gm = rewrite_recompute(torch.fx.symbolic_trace(model), decisions, starts=("exp",), remakes=("exp",))
+    with FlopCounterMode(display=False):
+        gm(x).sum().backward()
+    assert torch.equal(x.grad, eager[0]) and torch.equal(gm.scale.grad, eager[1])

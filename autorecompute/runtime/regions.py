@@ -93,7 +93,9 @@ class RemakingRegion(torch.nn.Module):
             before_args, rest = args[:self.num_before], list(args[self.num_before:])
             if recomputing:
                 with torch.no_grad():
-                    made = self.remake(True, *before_args)
+                    # forward, not __call__: module hooks (FlopCounterMode's ModuleTracker) would register grad
+                    # hooks on its outputs, and a parameter's alias made without autograd has no grad_fn
+                    made = self.remake.forward(True, *before_args)
                 values = [t.detach().requires_grad_(g) if isinstance(t, torch.Tensor) else t
                           for t, g in zip(made, requires_grad)]
             else:
