@@ -89,15 +89,14 @@ def remade_ops(problem: Problem, ids: list[int], made: Mapping[int, int]) -> dic
     if not made:
         return {}
     index = problem.index()
-    readers_of: dict[str, list[str]] = {}
-    for act in problem.activations:
-        readers_of.setdefault(act.owner, []).extend(act.readers)
+    owned = _owned(problem)
     found = {}
     for later, earlier in made.items():
         members = [op for op, r in zip(problem.chain, ids) if r == earlier]
         needed: set[str] = set()
         for op in reversed(members):     # readers come after what they read
-            if any(r in needed or (r in index and ids[index[r]] == later) for r in readers_of.get(op, ())):
+            if any(r in needed or (r in index and ids[index[r]] == later)
+                   for act in owned.get(op, ()) for r in act.readers):
                 needed.add(op)
         found[later] = [op for op in members if op in needed]
     return found
@@ -280,9 +279,7 @@ def _remade_pieces(problem: Problem, region: list[int], made: Mapping[int, int],
     from its recomputation to its earliest saver's backward in it, and the remaking's own tensors while
     it runs, when the region's recomputation starts (at the backward of its last op that saves)."""
     remade = remade_ops(problem, region, made)
-    owned: dict[str, list] = {}
-    for act in problem.activations:
-        owned.setdefault(act.owner, []).append(act)
+    owned = _owned(problem)
     for later, earlier in made.items():
         members = [k for k, r in enumerate(region) if r == later]
         end = members[-1]
@@ -293,7 +290,7 @@ def _remade_pieces(problem: Problem, region: list[int], made: Mapping[int, int],
         live, peak, saved, frees = 0, 0, 0, [0] * (len(ops) + 1)
         for i, op in enumerate(ops):
             for act in owned.get(op, ()):
-                in_later = [index[c] for c in (*act.readers, *act.savers) if c in index and region[index[c]] == later]
+                in_later = any(c in index and region[index[c]] == later for c in (*act.readers, *act.savers))
                 last = len(ops) if in_later else max((steps[c] for c in act.readers if c in steps), default=i)
                 live += act.nbytes
                 frees[last] += act.nbytes
@@ -311,7 +308,7 @@ def held_at(problem: Problem, recompute: Mapping[str, bool], position: int,
             stash: Stash | None = None) -> set[str]:
     """Owners of the activations held (not recomputed) at ``position``: what the peak is made of."""
     return {act.owner for act, start, end, kind, _ in _pieces(problem, recompute, stash)
-            if kind == "held" and start <= position <= end and act is not None}
+            if kind == "held" and start <= position <= end}
 
 
 def memory_components(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> Timeline:
@@ -378,6 +375,19 @@ def _first_savers(problem: Problem, index: Mapping[str, int]) -> dict[str, str |
 
 
 _FIRST_SAVERS: dict[int, tuple[Problem, dict]] = {}
+
+
+def _owned(problem: Problem) -> dict[str, list]:
+    """op → the activations it owns."""
+    def compute() -> dict[str, list]:
+        owned: dict[str, list] = {}
+        for act in problem.activations:
+            owned.setdefault(act.owner, []).append(act)
+        return owned
+    return _per_problem(_OWNED, problem, compute)
+
+
+_OWNED: dict[int, tuple[Problem, dict]] = {}
 
 
 def backward_positions(problem: Problem) -> dict[str, int]:

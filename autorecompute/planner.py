@@ -17,7 +17,7 @@ import torch.fx
 
 from autorecompute.budget import parse_budget, resolve_budget
 from autorecompute.errors import InfeasibleBudgetError
-from autorecompute.memory_model import (effective_stash, extra_cost, extra_flops, held_at, memory_components,
+from autorecompute.memory_model import (REMAKE, effective_stash, extra_cost, extra_flops, held_at, memory_components,
                                          memory_timeline, predicted_peak, region_ids, remakes)
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
@@ -155,8 +155,8 @@ def _region_starts(problem: Problem, recompute: dict[str, bool]) -> tuple[str, .
 def _region_remakes(problem: Problem, recompute: dict[str, bool]) -> tuple[str, ...]:
     """The first ops of the regions that make their inputs from the region before them again (``remakes``)."""
     ids = region_ids(problem, recompute)
-    made = remakes(problem, recompute, ids)
-    return tuple(op for k, op in enumerate(problem.chain) if ids[k] in made and (k == 0 or ids[k - 1] != ids[k]))
+    made = remakes(problem, recompute, ids)     # (regions that begin with an op decided REMAKE)
+    return tuple(op for k, op in enumerate(problem.chain) if recompute.get(op) == REMAKE and ids[k] in made)
 
 
 def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options: PlannerOptions,

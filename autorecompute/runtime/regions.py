@@ -90,7 +90,7 @@ class RemakingRegion(torch.nn.Module):
             nonlocal calls, made_in_forward
             recomputing = calls > 0
             calls += 1
-            before_args, rest = args[:self.num_before], list(args[self.num_before:])
+            before_args, rest = args[:self.num_before], args[self.num_before:]
             if recomputing:
                 with torch.no_grad():
                     # forward, not __call__: module hooks (FlopCounterMode's ModuleTracker) would register grad
@@ -100,10 +100,9 @@ class RemakingRegion(torch.nn.Module):
                           for t, g in zip(made, requires_grad)]
             else:
                 values, made_in_forward = made_in_forward, None     # not held by this closure after forward
-            full = []
-            for i in range(count):
-                full.append(values[self.remade.index(i)] if i in self.remade else rest.pop(0))
-            return self.body(recomputing, *full)
+            made_values, other_values = iter(values), iter(rest)     # (``remade`` is in input order)
+            return self.body(recomputing, *(next(made_values) if i in self.remade else next(other_values)
+                                            for i in range(count)))
 
         return checkpoint(run, *before, *kept, use_reentrant=False, preserve_rng_state=self.preserve_rng_state)
 

@@ -247,8 +247,8 @@ def _moves(problem: Problem, owner: dict[str, str], within: set[str] | None = No
     toggles it, ``("region", op, None)`` recomputes it starting a region (or, when it does, in the region
     before it), ``("shift", op, other)`` moves the cut before ``op`` to before its neighbour ``other``,
     ``("remake", op, None)`` starts a region at it that makes its inputs from the region before again
-    (:data:`~autorecompute.memory_model.REMAKE`; or, when it does, one that holds them), ``("stash", name, action)`` sets a stash action of an activation those ops own (None:
-    drops it)."""
+    (:data:`~autorecompute.memory_model.REMAKE`; or, when it does, one that holds them), ``("stash", name,
+    action)`` sets a stash action of an activation those ops own (None: drops it)."""
     moves = [("op", op, None) for op in sorted(problem.recomputable) if within is None or op in within]
     # recompute in a region of its own (or rejoin the region before): where the op before can be recomputed
     pairs = [(before, op) for before, op in zip(problem.chain, problem.chain[1:])
