@@ -30,6 +30,7 @@ checks both on every assignment of small problems). Regions are the maximal runs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Mapping
 
 from autorecompute.problem import Problem
@@ -47,13 +48,17 @@ def region_ids(problem: Problem, recompute: Mapping[str, bool | str]) -> list[in
     its own region rather than in one with the attention before it: at the MLP's backward only the MLP's
     saved tensors are made again)."""
     ids, current, previous_on = [], -1, False
-    for op in problem.chain:
-        decision = recompute.get(op, False)
-        on = bool(decision) and op in problem.recomputable
-        if on and (not previous_on or decision in (NEW_REGION, REMAKE)):
-            current += 1
-        ids.append(current if on else -1)
-        previous_on = on
+    get, append = recompute.get, ids.append
+    for op, recomputable in zip(problem.chain, _static(problem).recomputable):
+        decision = recomputable and get(op)
+        if decision:
+            if not previous_on or decision == NEW_REGION or decision == REMAKE:
+                current += 1
+            append(current)
+            previous_on = True
+        else:
+            append(-1)
+            previous_on = False
     return ids
 
 
@@ -88,7 +93,7 @@ def remade_ops(problem: Problem, ids: list[int], made: Mapping[int, int]) -> dic
     runs again: those that make what it reads, and the ops they read from, within that region."""
     if not made:
         return {}
-    index = problem.index()
+    index = _static(problem).index
     owned = _owned(problem)
     found = {}
     for later, earlier in made.items():
@@ -164,28 +169,33 @@ def region_ends(problem: Problem, region: list[int]) -> dict[int, int] | None:
     ``problem.saves`` is not known (a region input is then held to its ``read_end``)."""
     if problem.saves is None:
         return None
-    backward = backward_positions(problem)
     ends: dict[int, int] = {}
-    for op, r in zip(problem.chain, region):
-        if r >= 0 and op in problem.saves:
-            ends[r] = max(ends.get(r, -1), backward.get(op, problem.num_positions - 1))
+    for r, end in zip(region, _static(problem).saving_end):
+        if r >= 0 and end >= 0 and end > ends.get(r, -1):
+            ends[r] = end
     return ends
 
 
-def _holders(act, region: list[int], index: Mapping[str, int], ends: Mapping[int, int] | None,
+def _holders(static: "_Static", i: int, region: list[int], ends: Mapping[int, int] | None,
              made: Mapping[int, int] | None = None) -> tuple[int, bool, bool, int]:
     """``(owner's region, held as a region input, held by a kept saver, last position anything holds it)``
-    of ``act`` (-1: nothing does); ``ends``: :func:`region_ends`; ``made``: :func:`remakes`."""
-    owner_region = region[index[act.owner]] if act.owner in index else -1
-    holding = {region[index[c]] for c in act.readers if c in index} - {-1, owner_region}
-    if made:
+    of activation ``i`` (-1: nothing does); ``ends``: :func:`region_ends`; ``made``: :func:`remakes`."""
+    owner = static.owner[i]
+    owner_region = region[owner] if owner >= 0 else -1
+    readers = static.readers[i]
+    holding = {region[c] for c in readers} if readers else set()
+    holding.discard(-1)
+    holding.discard(owner_region)
+    if made and holding:
         # a region that remakes what the region before it makes does not hold it, and holds that region's
         # inputs (it makes them from those)
         holding = {h for h in holding if made.get(h, -2) != owner_region}
         holding |= {later for later, earlier in made.items() if earlier in holding}
-    input_end = -1 if not holding else act.read_end if ends is None else max(ends.get(h, -1) for h in holding)
-    saver_end = max((act.saver_end(i) for i, s in enumerate(act.savers)
-                     if s not in index or region[index[s]] < 0), default=-1)
+    input_end = -1 if not holding else static.read_end[i] if ends is None else max(ends.get(h, -1) for h in holding)
+    saver_end = -1
+    for saver, end in static.savers[i]:
+        if (saver < 0 or region[saver] < 0) and end > saver_end:
+            saver_end = end
     return owner_region, bool(holding), saver_end >= 0, max(input_end, saver_end)
 
 
@@ -203,11 +213,17 @@ def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stas
     taken by no other choice."""
     if not stash:
         return {}
-    index = problem.index()
     region = region_ids(problem, recompute)
-    ends = region_ends(problem, region)
-    made = remakes(problem, recompute, region)
-    by_name = {act.name: act for act in problem.activations}
+    return _effective_stash(problem, recompute, stash, region, region_ends(problem, region),
+                            remakes(problem, recompute, region))
+
+
+def _effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None, region: list[int],
+                     ends: Mapping[int, int] | None, made: Mapping[int, int]) -> dict[str, str]:
+    """:func:`effective_stash` from the decisions' :func:`region_ids`, :func:`region_ends` and :func:`remakes`."""
+    if not stash:
+        return {}
+    static = _static(problem)
     chosen = {name: option for name, action in stash.items()
               if (option := problem.stash_option(name, action)) is not None}
     taken: dict[str, int] = {}
@@ -216,16 +232,16 @@ def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stas
             taken[taken_name] = taken.get(taken_name, 0) + 1
     stashed = set(taken)
 
-    def can_stash(act) -> bool:
-        _, as_input, by_saver, _ = _holders(act, region, index, ends, made)
-        return bool(act.savers) and act.save_end >= act.hold_start and by_saver and not as_input
+    def can_stash(i: int) -> bool:
+        _, as_input, by_saver, _ = _holders(static, i, region, ends, made)
+        return static.stashable[i] and by_saver and not as_input
 
     effective = {}
     for name, option in chosen.items():
-        act = by_name.get(name)
-        if act is None or not can_stash(act) or not stash_valid(option, recompute, stashed):
+        i = static.by_name.get(name)
+        if i is None or not can_stash(i) or not stash_valid(option, recompute, stashed):
             continue
-        if all(taken[d] == 1 and d in by_name and can_stash(by_name[d]) for d in option.delivers):
+        if all(taken[d] == 1 and d in static.by_name and can_stash(static.by_name[d]) for d in option.delivers):
             effective[name] = stash[name]
     return effective
 
@@ -243,18 +259,23 @@ def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None
     """Yields ``(activation, start, end, kind, nbytes)`` for every interval an activation occupies beyond
     its forward life: kind "held" (autograd or a region keeps it), "stashed" (its stored copy or restored
     tensor) or "recomputed" (chain indices of the ops at whose backward it is rematerialized)."""
-    index = problem.index()
-    first_saver = _first_savers(problem, index)
+    static = _static(problem)
     region = region_ids(problem, recompute)
     ends = region_ends(problem, region)
-    effective = effective_stash(problem, recompute, stash)
-    made_by = delivered(problem, effective)
     made = remakes(problem, recompute, region)
+    effective = _effective_stash(problem, recompute, stash, region, ends, made)
+    made_by = delivered(problem, effective)
     if made:
-        yield from _remade_pieces(problem, region, made, index)
-    for act in problem.activations:
-        owner_region, as_input, by_saver, hold_end = _holders(act, region, index, ends, made)
-        option = problem.stash_option(act.name, effective.get(act.name))
+        yield from _remade_pieces(problem, region, made, static.index)
+    # the last chain index of each op's region (a recomputed activation lives to its owner's region's end)
+    region_last = list(range(len(region)))
+    for k in range(len(region) - 2, -1, -1):
+        if region[k] >= 0 and region[k + 1] == region[k]:
+            region_last[k] = region_last[k + 1]
+    for i, act in enumerate(problem.activations):
+        owner_region, as_input, by_saver, hold_end = _holders(static, i, region, ends, made)
+        action = effective.get(act.name)
+        option = problem.stash_option(act.name, action) if action is not None else None
         if option is not None:     # (effective: a kept saver holds it, no region does)
             yield act, option.stored_from, act.save_end, "stashed", option.stored_bytes
             yield act, option.restored_from, act.save_end, "stashed", act.nbytes
@@ -264,14 +285,12 @@ def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None
             yield act, made_by[act.name].restored_from, act.save_end, "stashed", act.nbytes
         elif hold_end >= act.hold_start:
             yield act, act.hold_start, hold_end, "held", act.nbytes
-        first = first_saver.get(act.name)
-        if owner_region >= 0 and first is not None and index[first] >= index[act.owner]:
+        first = static.first_saver[i]
+        if owner_region >= 0 and first >= static.owner[i]:
             # alive at the backward of every op from the earliest saver to the end of the owner's region
-            end = index[act.owner]
-            while end + 1 < len(region) and region[end + 1] == owner_region:
-                end += 1
-            if index[first] <= end:
-                yield act, index[first], end, "recomputed", act.nbytes
+            end = region_last[static.owner[i]]
+            if first <= end:
+                yield act, first, end, "recomputed", act.nbytes
 
 
 def _remade_pieces(problem: Problem, region: list[int], made: Mapping[int, int], index: Mapping[str, int]):
@@ -314,29 +333,19 @@ def held_at(problem: Problem, recompute: Mapping[str, bool], position: int,
 def memory_components(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> Timeline:
     """The predicted memory of every position for the decisions ``recompute`` (op → bool) and ``stash``
     (activation → action), by component."""
-    index = problem.index()
-    delta = [0] * (problem.num_positions + 1)
-    stash_delta = [0] * (problem.num_positions + 1)
+    positions = problem.num_positions
+    delta = [0] * (positions + 1)
+    stash_delta = [0] * (positions + 1)
     remat_delta = [0] * (len(problem.chain) + 1)
-    for act, start, end, kind, nbytes in _pieces(problem, recompute, stash):
-        target = {"held": delta, "stashed": stash_delta, "recomputed": remat_delta}[kind]
+    targets = {"held": delta, "stashed": stash_delta, "recomputed": remat_delta}
+    for _, start, end, kind, nbytes in _pieces(problem, recompute, stash):
+        target = targets[kind]
         target[start] += nbytes
         target[end + 1] -= nbytes
-
-    remat, running = [], 0
-    for i in range(len(problem.chain)):
-        running += remat_delta[i]
-        remat.append(running)
-    held, stashed, recomputed, running, running_stash = [], [], [], 0, 0
-    for p in range(problem.num_positions):
-        running += delta[p]
-        running_stash += stash_delta[p]
-        held.append(running)
-        stashed.append(running_stash)
-        op = problem.backward_op.get(p)
-        recomputed.append(remat[index[op]] if op is not None and op in index else 0)
-    return Timeline(fixed=tuple(problem.fixed), held=tuple(held), recomputed=tuple(recomputed),
-                    stashed=tuple(stashed))
+    remat = list(accumulate(remat_delta))
+    recomputed = tuple(remat[k] if k >= 0 else 0 for k in _static(problem).backward_chain)
+    return Timeline(fixed=tuple(problem.fixed), held=tuple(accumulate(delta[:positions])),
+                    recomputed=recomputed, stashed=tuple(accumulate(stash_delta[:positions])))
 
 
 def memory_timeline(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> list[int]:
@@ -364,17 +373,51 @@ def _per_problem(cache: dict, problem: Problem, compute):
     return cached[1]
 
 
-def _first_savers(problem: Problem, index: Mapping[str, int]) -> dict[str, str | None]:
-    def compute() -> dict[str, str | None]:
-        savers = {}
-        for act in problem.activations:
-            in_chain = [s for s in act.savers if s in index]
-            savers[act.name] = min(in_chain, key=index.__getitem__) if in_chain else None
-        return savers
-    return _per_problem(_FIRST_SAVERS, problem, compute)
+@dataclass(frozen=True)
+class _Static:
+    """What the memory model looks up for every decision set, once per problem: chain indices, not names.
+
+    Per activation (in ``problem.activations`` order): its owner's chain index (-1: not in the chain), its
+    readers' and its earliest saver's (-1: none), each saver's ``(chain index or -1, backward position)``,
+    ``read_end`` and whether it can be stashed at all. Per chain op: whether it is recomputable and, for an
+    op that saves, its backward position (-1 otherwise). Per position: the chain index of its backward op."""
+
+    index: dict[str, int]
+    by_name: dict[str, int]
+    owner: tuple[int, ...]
+    readers: tuple[tuple[int, ...], ...]
+    savers: tuple[tuple[tuple[int, int], ...], ...]
+    first_saver: tuple[int, ...]
+    read_end: tuple[int, ...]
+    stashable: tuple[bool, ...]
+    recomputable: tuple[bool, ...]
+    saving_end: tuple[int, ...]
+    backward_chain: tuple[int, ...]
 
 
-_FIRST_SAVERS: dict[int, tuple[Problem, dict]] = {}
+def _static(problem: Problem) -> _Static:
+    def compute() -> _Static:
+        index = problem.index()
+        backward = backward_positions(problem)
+        acts = problem.activations
+        savers = tuple(tuple((index.get(s, -1), act.saver_end(k)) for k, s in enumerate(act.savers)) for act in acts)
+        return _Static(
+            index=index,
+            by_name={act.name: i for i, act in enumerate(acts)},
+            owner=tuple(index.get(act.owner, -1) for act in acts),
+            readers=tuple(tuple(index[c] for c in act.readers if c in index) for act in acts),
+            savers=savers,
+            first_saver=tuple(min((k for k, _ in pairs if k >= 0), default=-1) for pairs in savers),
+            read_end=tuple(act.read_end for act in acts),
+            stashable=tuple(bool(act.savers) and act.save_end >= act.hold_start for act in acts),
+            recomputable=tuple(op in problem.recomputable for op in problem.chain),
+            saving_end=tuple(backward.get(op, problem.num_positions - 1)
+                             if problem.saves is not None and op in problem.saves else -1 for op in problem.chain),
+            backward_chain=tuple(index.get(problem.backward_op.get(p), -1) for p in range(problem.num_positions)))
+    return _per_problem(_STATIC, problem, compute)
+
+
+_STATIC: dict[int, tuple[Problem, _Static]] = {}
 
 
 def _owned(problem: Problem) -> dict[str, list]:

@@ -42,11 +42,12 @@ DEFAULT_ACTIONS = ("recompute", "offload")      # the lossless ones
 MAX_TIGHTENINGS = 4
 NEAR_MINIMUM = 1.15   # budgets below this multiple of the heuristic minimum get a CP-SAT minimum-peak solve
 # the minimum-peak local search's work per second of solver time (greedy.lower_peak: evaluations × problem
-# size), at least one second's: about a second per second of limit on a 2-core CPU when it runs to the end;
-# on the benchmark models it ends sooner (0.2-1.3 s), where no single change lowers the peak
+# size), at least one second's: about half a second per second of limit on a 2-core CPU (recompute only)
+# when it runs to the end; on the benchmark models it ends sooner, where no single or group change lowers
+# the peak
 LOCAL_SEARCH_WORK = 2_000_000
 # the cost local search's work per second of solver time (greedy.lower_cost, after each cost solve that is not
-# optimal): about 0.6 s per second of limit on a 2-core CPU when it runs to the end; in the benchmark suite,
+# optimal): about 0.4 s per second of limit on a 2-core CPU when it runs to the end; in the benchmark suite,
 # Llama's least-FLOPs plan at √N's peak runs 34.6 MFLOP again instead of 37.7 (31.5 with 4× the limit)
 COST_SEARCH_WORK = 500_000
 

@@ -124,6 +124,10 @@ class Problem:
     # ops a region's recomputation cannot run again to remake its inputs (memory_model.REMAKE): random ops
     # (the region replays its own RNG state, not theirs) and ops that update state
     unremakeable: frozenset[str] = frozenset()
+    # groups of ops that play one part in repeated blocks (the first matmul of each transformer layer's
+    # attention): the local searches also change a group at once, since on a model of equal layers one layer
+    # changed alone cannot lower a peak every layer reaches
+    repeats: tuple[tuple[str, ...], ...] = ()
 
     @property
     def num_positions(self) -> int:

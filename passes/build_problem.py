@@ -7,12 +7,13 @@ outputs, or have no tensor output are never recomputed; in-place buffer updates 
 from __future__ import annotations
 
 import operator
+import re
 
 import torch
 import torch.fx
 
 from autorecompute.passes.capture import is_mutating, written_in_place
-from autorecompute.passes.profile import META_KEY, NodeInfo, TensorInfo, node_info, step_profile
+from autorecompute.passes.profile import META_KEY, NodeInfo, TensorInfo, module_path, node_info, step_profile
 from autorecompute.problem import GRADIENT, Activation, Problem, StashOption
 from autorecompute.runtime.codecs import codec
 from autorecompute.runtime.regions import BATCH_NORM
@@ -171,8 +172,38 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
         activations=tuple(activations), fixed=tuple([0] * num_positions), num_forward=num_forward,
         backward_op=backward_op, bytes_at_rest=dict(profile.resident), region_cost=device.seconds_to_cost(device.region_seconds),
         stash_options=options, saves=saves,
-        unremakeable=frozenset(op for op in chain if is_random(nodes[op]) or _unreplayable(nodes[op])))
+        unremakeable=frozenset(op for op in chain if is_random(nodes[op]) or _unreplayable(nodes[op])),
+        repeats=repeated_ops([nodes[op] for op in chain if op in recomputable]))
     return calibrate(problem, measured)
+
+
+def repeated_ops(nodes: list[torch.fx.Node]) -> tuple[tuple[str, ...], ...]:
+    """Groups of nodes that play one part in repeated blocks: the k-th call of one op in each module whose
+    path differs from the others' only in its indices (``model.layers.0.mlp`` and ``model.layers.2.mlp``).
+
+    Example: two blocks of ``relu`` then ``mul``.
+
+        >>> import torch
+        >>> class Block(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return torch.relu(x) * 2
+        >>> blocks = torch.nn.Sequential(Block(), Block())
+        >>> nodes = list(torch.fx.symbolic_trace(blocks).graph.nodes)   # records each node's module path
+        >>> repeated_ops(nodes)
+        (('relu', 'relu_1'), ('mul', 'mul_1'))
+    """
+    groups: dict[tuple[str, str, int], list[str]] = {}
+    calls: dict[tuple[str, str], int] = {}
+    for node in nodes:
+        path = module_path(node)
+        block = re.sub(r"(^|\.)\d+(?=\.|$)", r"\1#", path)
+        if block == path:        # not inside an indexed block
+            continue
+        kind = str(node.target)
+        nth = calls.get((path, kind), 0)
+        calls[(path, kind)] = nth + 1
+        groups.setdefault((block, kind, nth), []).append(node.name)
+    return tuple(tuple(ops) for ops in groups.values() if len(ops) > 1)
 
 
 def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forward: int, saver_positions: list[int],

@@ -1,0 +1,55 @@
+"""Repeated blocks (``Problem.repeats``): one op of every layer decided alike by the minimum-peak search."""
+import dataclasses
+
+import pytest
+
+import models
+from autorecompute.memory_model import NEW_REGION, predicted_peak
+from autorecompute.passes.build_problem import build_problem
+from autorecompute.passes.capture import capture
+from autorecompute.passes.profile import node_info, profile_step
+from autorecompute.solvers import greedy
+
+
+@pytest.fixture(scope="module")
+def gpt_problem():
+    """The GPT-style decoder at 16 samples (six equal layers; activations dominate) and its graph."""
+    case = models.ACTIVATION_HEAVY["gpt"]()
+    gm = capture(case.model, case.args, case.kwargs)
+    profile_step(gm, case.args, case.kwargs)
+    return build_problem(gm), gm, len(case.model.blocks)
+
+
+def test_each_group_is_one_op_of_every_layer(gpt_problem):
+    problem, gm, layers = gpt_problem
+    nodes = {node.name: node for node in gm.graph.nodes}
+    assert problem.repeats, "a model of equal layers has repeated ops"
+    seen: set[str] = set()
+    for group in problem.repeats:
+        assert len(group) == layers
+        assert len({nodes[op].target for op in group}) == 1           # one op ...
+        paths = [node_info(nodes[op]).module_path for op in group]
+        assert [path.split(".")[1] for path in paths] == [str(i) for i in range(layers)]   # ... of each layer
+        assert set(group) <= problem.recomputable and seen.isdisjoint(group)
+        seen |= set(group)
+
+
+def test_a_group_move_decides_every_op_and_undoes_exactly():
+    recompute = {"a": True, "b": False}
+    undo = greedy._apply(recompute, {}, "group", ("a", "b", "c"), NEW_REGION)
+    assert recompute == {"a": NEW_REGION, "b": NEW_REGION, "c": NEW_REGION}
+    undo()
+    assert recompute == {"a": True, "b": False}
+    assert greedy._apply({"a": False}, {}, "group", ("a", "b"), False) is None    # nothing to change
+
+
+def test_group_moves_lower_a_peak_every_layer_reaches(gpt_problem):
+    """From the same start and with the same work, the minimum-peak local search goes lower with the group
+    moves: each layer held its attention and MLP in one region, and splitting one layer's alone raised the
+    peak (its MLP region's input held through the other layers' backward)."""
+    problem, _, _ = gpt_problem
+    start = greedy.lowest_start(problem)
+    alone = dataclasses.replace(problem, repeats=())
+    with_groups = predicted_peak(problem, *greedy.lower_peak(problem, start, work=2_000_000))
+    without = predicted_peak(alone, *greedy.lower_peak(alone, start, work=2_000_000))
+    assert with_groups < without
