@@ -7,7 +7,6 @@ outputs, or have no tensor output are never recomputed; in-place buffer updates 
 from __future__ import annotations
 
 import operator
-import re
 
 import torch
 import torch.fx
@@ -173,13 +172,17 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
         backward_op=backward_op, bytes_at_rest=dict(profile.resident), region_cost=device.seconds_to_cost(device.region_seconds),
         stash_options=options, saves=saves,
         unremakeable=frozenset(op for op in chain if is_random(nodes[op]) or _unreplayable(nodes[op])),
-        repeats=repeated_ops([nodes[op] for op in chain if op in recomputable]))
+        repeats=repeated_ops([nodes[op] for op in chain], recomputable))
     return calibrate(problem, measured)
 
 
-def repeated_ops(nodes: list[torch.fx.Node]) -> tuple[tuple[str, ...], ...]:
-    """Groups of nodes that play one part in repeated blocks: the k-th call of one op in each module whose
-    path differs from the others' only in its indices (``model.layers.0.mlp`` and ``model.layers.2.mlp``).
+def repeated_ops(nodes: list[torch.fx.Node], among: frozenset[str] | None = None) -> tuple[tuple[str, ...], ...]:
+    """Groups of ``nodes`` (those in ``among``; None: all) that play one part in repeated blocks.
+
+    A block is a module at an index of its parent (``blocks.3``, ``layers.0.mlp.2``). Blocks of one parent
+    that call the same ops, in the same order, with results of the same shapes and dtypes, repeat each
+    other: their i-th ops form a group. Blocks that differ (an MLP's two linear layers, at ``mlp.0`` and
+    ``mlp.2``; a layer that calls an op once more than the others) do not.
 
     Example: two blocks of ``relu`` then ``mul``.
 
@@ -192,18 +195,30 @@ def repeated_ops(nodes: list[torch.fx.Node]) -> tuple[tuple[str, ...], ...]:
         >>> repeated_ops(nodes)
         (('relu', 'relu_1'), ('mul', 'mul_1'))
     """
-    groups: dict[tuple[str, str, int], list[str]] = {}
-    calls: dict[tuple[str, str], int] = {}
+    calls: dict[str, list[torch.fx.Node]] = {}      # block → the nodes it (or a module inside it) calls
     for node in nodes:
-        path = module_path(node)
-        block = re.sub(r"(^|\.)\d+(?=\.|$)", r"\1#", path)
-        if block == path:        # not inside an indexed block
-            continue
-        kind = str(node.target)
-        nth = calls.get((path, kind), 0)
-        calls[(path, kind)] = nth + 1
-        groups.setdefault((block, kind, nth), []).append(node.name)
-    return tuple(tuple(ops) for ops in groups.values() if len(ops) > 1)
+        parts = module_path(node).split(".")
+        for end, part in enumerate(parts):
+            if part.isdigit():
+                calls.setdefault(".".join(parts[:end + 1]), []).append(node)
+    alike: dict[tuple, list[list[torch.fx.Node]]] = {}
+    for block, called in calls.items():
+        parent = block.rpartition(".")[0]
+        alike.setdefault((parent, tuple(_signature(node) for node in called)), []).append(called)
+    groups: dict[tuple[str, ...], None] = {}
+    for blocks in alike.values():
+        for ith in zip(*blocks):
+            group = tuple(node.name for node in ith if among is None or node.name in among)
+            if len(group) > 1:
+                groups[group] = None
+    return tuple(groups)
+
+
+def _signature(node: torch.fx.Node) -> tuple:
+    """What a node calls and the shapes and dtypes of its results."""
+    val = node.meta.get("val")
+    results = val if isinstance(val, (tuple, list)) else (val,)
+    return str(node.target), tuple((tuple(v.shape), v.dtype) for v in results if isinstance(v, torch.Tensor))
 
 
 def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forward: int, saver_positions: list[int],

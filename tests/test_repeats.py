@@ -2,12 +2,14 @@
 import dataclasses
 
 import pytest
+import torch
+from torch import nn
 
 import models
 from autorecompute.memory_model import NEW_REGION, predicted_peak
-from autorecompute.passes.build_problem import build_problem
+from autorecompute.passes.build_problem import build_problem, repeated_ops
 from autorecompute.passes.capture import capture
-from autorecompute.passes.profile import node_info, profile_step
+from autorecompute.passes.profile import module_path, node_info, profile_step
 from autorecompute.solvers import greedy
 
 
@@ -32,6 +34,39 @@ def test_each_group_is_one_op_of_every_layer(gpt_problem):
         assert [path.split(".")[1] for path in paths] == [str(i) for i in range(layers)]   # ... of each layer
         assert set(group) <= problem.recomputable and seen.isdisjoint(group)
         seen |= set(group)
+
+
+class Layer(nn.Module):
+    """A residual MLP layer; ``twice``: it calls its first linear layer once more."""
+
+    def __init__(self, twice: bool = False):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+        self.twice = twice
+
+    def forward(self, x):
+        if self.twice:
+            x = self.mlp[2](self.mlp[0](x))
+        return x + self.mlp(x)
+
+
+def groups_of(model: nn.Module) -> list[list[str]]:
+    """``repeated_ops`` of the captured model, each op named by its module path."""
+    gm = capture(model, (torch.randn(2, 8),), {})
+    nodes = [node for node in gm.graph.nodes if node.op == "call_function"]
+    paths = {node.name: module_path(node) for node in nodes}
+    return [[paths[op] for op in group] for group in repeated_ops(nodes)]
+
+
+def test_only_blocks_that_call_the_same_ops_repeat_each_other():
+    """Before: every index in a module path was a wildcard, so an MLP's two linear layers (``mlp.0``,
+    ``mlp.2``: other shapes) made one group with the other layer's, and a layer that calls an op once
+    more than the others was aligned with them call by call. Expected: the layers' ops pair up one to
+    one; the layer that differs is in no group."""
+    assert groups_of(nn.Sequential(Layer(), Layer())) == [
+        ["0.mlp.0", "1.mlp.0"], ["0.mlp.1", "1.mlp.1"], ["0.mlp.2", "1.mlp.2"], ["0", "1"]]
+    uneven = groups_of(nn.Sequential(Layer(twice=True), Layer(), Layer()))
+    assert uneven and all([path.split(".")[0] for path in group] == ["1", "2"] for group in uneven)
 
 
 def test_a_group_move_decides_every_op_and_undoes_exactly():

@@ -376,7 +376,7 @@ def lower_cost(problem: Problem, budget: int, start: Decisions, work: int = 2_00
     changed = True
     while changed and tries > 0:
         changed = False
-        dearest = sorted((op for op in rerun_ops(problem, recompute) if problem.cost.get(op)),
+        dearest = sorted({op for op in rerun_ops(problem, recompute) if problem.cost.get(op)},
                          key=lambda op: (-problem.cost[op], index[op]))
         for op in dearest:
             if tries <= 0:
