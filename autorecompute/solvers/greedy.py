@@ -280,7 +280,7 @@ def _descend(problem: Problem, recompute: dict[str, bool], stash: dict[str, str]
     until a pass changes nothing or ``tries`` evaluations are spent. Changes ``recompute`` and ``stash`` in
     place; returns the score and the evaluations spent."""
     def score() -> tuple[int, int]:
-        timeline = memory_timeline(problem, recompute, effective_stash(problem, recompute, stash))
+        timeline = memory_timeline(problem, recompute, stash)   # (it keeps the choices that take effect)
         top = max(timeline)
         return top, sum(1 for v in timeline if v > top - near)
 
@@ -383,7 +383,7 @@ def lower_cost(problem: Problem, budget: int, start: Decisions, work: int = 2_00
                 break
             was = recompute[op]
             recompute[op] = False
-            timeline = memory_timeline(problem, recompute, effective_stash(problem, recompute, stash))
+            timeline = memory_timeline(problem, recompute, stash)   # (it keeps the choices that take effect)
             tries -= 1
             over = [p for p, v in enumerate(timeline) if v > budget]
             if not over:
