@@ -94,7 +94,7 @@ def remade_ops(problem: Problem, ids: list[int], made: Mapping[int, int]) -> dic
     if not made:
         return {}
     index = _static(problem).index
-    owned = _owned(problem)
+    owned = _static(problem).owned
     found = {}
     for later, earlier in made.items():
         members = [op for op, r in zip(problem.chain, ids) if r == earlier]
@@ -298,7 +298,7 @@ def _remade_pieces(problem: Problem, region: list[int], made: Mapping[int, int],
     from its recomputation to its earliest saver's backward in it, and the remaking's own tensors while
     it runs, when the region's recomputation starts (at the backward of its last op that saves)."""
     remade = remade_ops(problem, region, made)
-    owned = _owned(problem)
+    owned = _static(problem).owned
     for later, earlier in made.items():
         members = [k for k, r in enumerate(region) if r == later]
         end = members[-1]
@@ -380,7 +380,8 @@ class _Static:
     Per activation (in ``problem.activations`` order): its owner's chain index (-1: not in the chain), its
     readers' and its earliest saver's (-1: none), each saver's ``(chain index or -1, backward position)``,
     ``read_end`` and whether it can be stashed at all. Per chain op: whether it is recomputable and, for an
-    op that saves, its backward position (-1 otherwise). Per position: the chain index of its backward op."""
+    op that saves, its backward position (-1 otherwise). Per position: the chain index of its backward op.
+    Per owner: the activations it owns."""
 
     index: dict[str, int]
     by_name: dict[str, int]
@@ -393,6 +394,7 @@ class _Static:
     recomputable: tuple[bool, ...]
     saving_end: tuple[int, ...]
     backward_chain: tuple[int, ...]
+    owned: dict[str, list]
 
 
 def _static(problem: Problem) -> _Static:
@@ -400,6 +402,9 @@ def _static(problem: Problem) -> _Static:
         index = problem.index()
         backward = backward_positions(problem)
         acts = problem.activations
+        owned: dict[str, list] = {}
+        for act in acts:
+            owned.setdefault(act.owner, []).append(act)
         savers = tuple(tuple((index.get(s, -1), act.saver_end(k)) for k, s in enumerate(act.savers)) for act in acts)
         return _Static(
             index=index,
@@ -413,24 +418,12 @@ def _static(problem: Problem) -> _Static:
             recomputable=tuple(op in problem.recomputable for op in problem.chain),
             saving_end=tuple(backward.get(op, problem.num_positions - 1)
                              if problem.saves is not None and op in problem.saves else -1 for op in problem.chain),
-            backward_chain=tuple(index.get(problem.backward_op.get(p), -1) for p in range(problem.num_positions)))
+            backward_chain=tuple(index.get(problem.backward_op.get(p), -1) for p in range(problem.num_positions)),
+            owned=owned)
     return _per_problem(_STATIC, problem, compute)
 
 
 _STATIC: dict[int, tuple[Problem, _Static]] = {}
-
-
-def _owned(problem: Problem) -> dict[str, list]:
-    """op → the activations it owns."""
-    def compute() -> dict[str, list]:
-        owned: dict[str, list] = {}
-        for act in problem.activations:
-            owned.setdefault(act.owner, []).append(act)
-        return owned
-    return _per_problem(_OWNED, problem, compute)
-
-
-_OWNED: dict[int, tuple[Problem, dict]] = {}
 
 
 def backward_positions(problem: Problem) -> dict[str, int]:
@@ -462,14 +455,19 @@ def extra_flops(problem: Problem, recompute: Mapping[str, bool], stash: Stash | 
 
 def stash_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None) -> int:
     """Cost of the stash choices that take effect."""
-    return sum(problem.stash_option(name, action).cost
-               for name, action in effective_stash(problem, recompute, stash).items())
+    return _cost_of(problem, effective_stash(problem, recompute, stash))
+
+
+def _cost_of(problem: Problem, effective: Stash) -> int:
+    return sum(problem.stash_option(name, action).cost for name, action in effective.items())
 
 
 def extra_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> int:
     """The solver's objective: the recompute cost of the ops run again (:func:`rerun_ops`), ``region_cost``
     per recomputed region, and the cost of the stash choices that take effect."""
     ids = region_ids(problem, recompute)
-    ops = sum(problem.cost[op] for op in _rerun(problem, ids, remakes(problem, recompute, ids)))
+    made = remakes(problem, recompute, ids)
+    ops = sum(problem.cost[op] for op in _rerun(problem, ids, made))
     regions = max(ids, default=-1) + 1
-    return ops + problem.region_cost * regions + stash_cost(problem, recompute, stash)
+    effective = _effective_stash(problem, recompute, stash, ids, region_ends(problem, ids), made) if stash else {}
+    return ops + problem.region_cost * regions + _cost_of(problem, effective)
