@@ -93,6 +93,10 @@ def rewrite_recompute(gm: torch.fx.GraphModule, decisions: Mapping[str, str],
     in ``starts``) makes what it reads from the region before it again when it is recomputed, from that
     region's inputs, instead of holding it (a :class:`RemakingRegion`).
 
+    Raises:
+        ValueError: a region in ``remakes`` would make its inputs again by running a random or
+            state-updating op of the region before (the memory model never plans one: ``Problem.unremakeable``).
+
     Example:
         >>> import torch.fx
         >>> gm = torch.fx.symbolic_trace(lambda x: torch.tanh(torch.sin(x)) * 2)
@@ -159,6 +163,14 @@ def _outline(gm: torch.fx.GraphModule, region: list[torch.fx.Node], name: str,
         call_args = tuple(inputs)
     else:
         needed = _needed(before, [inputs[i] for i in remade])
+        # made again without its own RNG state or a second state update, they would differ from forward's
+        from autorecompute.passes.build_problem import REPLAYABLE, updates_state
+        unrepeatable = [node.name for node in needed
+                        if _is_random(node) or (updates_state(node) and node.target not in REPLAYABLE)]
+        if unrepeatable:
+            raise ValueError(f"{name} ({region[0].name} ...) makes its inputs again from the region before it, "
+                             f"which runs {unrepeatable}: random or state-updating ops cannot run a third time "
+                             "alike (plan and graph disagree: drop it from the plan's region_remakes)")
         before_inputs = _inputs(needed)
         remake = _body(needed, before_inputs, [inputs[i] for i in remade])
         gm.add_submodule(name, RemakingRegion(body_module, remake, len(before_inputs), tuple(remade),

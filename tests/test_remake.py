@@ -1,4 +1,5 @@
 """Regions that make their inputs from the region before them again (``memory_model.REMAKE``)."""
+import pytest
 import torch
 import torch.fx
 
@@ -114,3 +115,18 @@ def test_a_remaking_runs_under_flop_counting_and_counts_what_runs_again():
     with FlopCounterMode(display=False):
         gm(x).sum().backward()
     assert torch.equal(x.grad, eager[0]) and torch.equal(gm.scale.grad, eager[1])
+
+
+def dropout_chain(x):
+    h = torch.nn.functional.dropout(torch.sin(x), 0.5)     # the region before draws a mask
+    return torch.exp(h) * 2
+
+
+def test_the_rewrite_refuses_to_remake_from_a_random_region():
+    """Made again from the region before, a dropout there would draw a new mask (the remaking replays the
+    remaking region's RNG state, not the one before's): the memory model never plans it (``unremakeable``);
+    a plan that asks for it anyway is an error naming the op, not other gradients."""
+    gm = torch.fx.symbolic_trace(dropout_chain)
+    decisions = {node.name: "recompute" for node in gm.graph.nodes if node.op == "call_function"}
+    with pytest.raises(ValueError, match="dropout"):
+        rewrite_recompute(gm, decisions, starts=("exp",), remakes=("exp",))
