@@ -1,4 +1,5 @@
 """The tracker against hand-derived numbers (512x512 fp32 tensors are exactly 1 MiB)."""
+import pytest
 import torch
 
 from autorecompute.runtime.memory import LiveStorageTracker, measure_step
@@ -93,3 +94,28 @@ def test_other_device_memory_is_counted_in_whole_mib_so_a_reported_minimum_stays
         counts.append(memory.device_bytes_outside([weight]))
     assert counts[0] == counts[1] == 65 * MIB + memory.ALLOCATOR_SLACK     # 64 MiB and a few blocks
     assert counts[2] == 65 * MIB + memory.ALLOCATOR_SLACK                  # exactly 65 MiB: not rounded further
+
+
+class Recurrent(torch.nn.Module):
+    def __init__(self, cell):
+        super().__init__()
+        self.rnn = cell(64, 128, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(128, 10)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+@pytest.mark.parametrize("cell", [torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN])
+def test_a_fake_recurrent_step_measures_what_the_real_one_allocates(cell):
+    """The CPU LSTM kernel (oneDNN) saves a reserve for backward that its fake kernel makes empty (1.9 MiB
+    per layer here), and its backward returns two bias gradients that are one tensor fake: the tracker
+    takes the reserve's size from one real call on made-up inputs and counts both gradients, so the fake
+    step's peak — what plans are verified with — is the real one's, to the byte."""
+    from autorecompute.passes.verify import fake_step_memory
+
+    torch.manual_seed(0)
+    model, x = Recurrent(cell), torch.randn(8, 32, 64)
+    fake = fake_step_memory(model, (x,), {}).peak
+    real = measure_step(model, (x,), {}).peak
+    assert fake == real

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autorecompute.runtime.workspaces import warm_up_blas, workspace_bytes
+from autorecompute.runtime.workspaces import DISTINCT_OUTPUTS, real_output_bytes, warm_up_blas, workspace_bytes
 
 
 def _storages(values: Iterable[Any]):
@@ -77,12 +77,23 @@ class LiveStorageTracker(TorchDispatchMode):
         if kwargs:
             inputs.extend(_op_tensors(tuple(kwargs.values())))
         seen = {t.untyped_storage()._cdata for t in inputs}
-        for storage in _storages(_op_tensors(out)):
+        outputs = list(_op_tensors(out))
+        # an output a fake kernel makes smaller than the real one (an RNN's reserve for backward): its real size
+        real = real_output_bytes(func, args, kwargs) if outputs and is_fake(outputs[0]) else None
+        made = set()
+        for i, tensor in enumerate(outputs):
+            storage = tensor.untyped_storage()
             key = storage._cdata
+            if key in made and func in DISTINCT_OUTPUTS:
+                # one fake storage for outputs the real kernel makes apart: the other's bytes, freed with it
+                self._live[key] += storage.nbytes()
+                self.current += storage.nbytes()
+                continue
             if key in seen or key in self._live:
                 continue
             seen.add(key)
-            nbytes = storage.nbytes()
+            made.add(key)
+            nbytes = storage.nbytes() if real is None or i >= len(real) else max(storage.nbytes(), real[i])
             self._live[key] = nbytes
             self.current += nbytes
             weakref.finalize(storage, self._free, key)

@@ -53,13 +53,13 @@ def _probed_op(func) -> bool:
             and func not in _SKIPPED_OPS and not any(tag in func.tags for tag in _SKIPPED_TAGS))
 
 
-def _signature(func, args, kwargs) -> tuple[tuple, Any, list] | None:
-    """(key, treespec, leaves) for an op call with a tensor on a CUDA device, else None; the key is the op
-    and the leaves (tensors described by shape, stride, dtype and device)."""
+def _signature(func, args, kwargs, cuda_only: bool = True) -> tuple[tuple, Any, list] | None:
+    """(key, treespec, leaves) for an op call with a tensor on a CUDA device (any call: ``cuda_only=False``),
+    else None; the key is the op and the leaves (tensors described by shape, stride, dtype and device)."""
     leaves, spec = tree_flatten((args, kwargs))
     described = [_TensorLike(tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device)
                  if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    if not any(isinstance(leaf, _TensorLike) and leaf.device.type == "cuda" for leaf in described):
+    if cuda_only and not any(isinstance(leaf, _TensorLike) and leaf.device.type == "cuda" for leaf in described):
         return None
     key = (func, *described)
     try:
@@ -144,6 +144,46 @@ def _probe(func, spec, described) -> int:
         scratch = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
         del out
     return max(0, scratch)
+
+
+# Ops whose fake (meta) kernel makes an output smaller than the real kernel does: the RNN kernels' reserve
+# ("workspace") saved for backward is empty on fake tensors — PyTorch cannot ask oneDNN or cuDNN its size
+# without running it (an LSTM of 128 units over 32 steps of 8: 1.9 MiB on the CPU, 0 fake).
+# (Only forward kernels: a backward probed on made-up inputs would get the fake, empty reserve, and oneDNN's
+# crashes on it.)
+SIZED_BY_RUNNING = frozenset({torch.ops.aten.mkldnn_rnn_layer.default, torch.ops.aten._cudnn_rnn.default,
+                              torch.ops.aten.miopen_rnn.default})
+# Ops whose fake kernel returns one tensor for outputs the real kernel makes apart: the CPU LSTM backward's
+# two bias gradients.
+DISTINCT_OUTPUTS = frozenset({torch.ops.aten.mkldnn_rnn_layer_backward.default})
+_output_bytes: dict[tuple, tuple[int, ...] | None] = {}     # signature → real storage bytes of each output
+
+
+def real_output_bytes(func, args, kwargs) -> tuple[int, ...] | None:
+    """For an op of :data:`SIZED_BY_RUNNING` called on fake tensors: the storage bytes of each of its tensor
+    outputs (in :func:`~autorecompute.runtime.memory` order) when it runs for real — measured once per
+    signature, by running it on made-up inputs on the device; None for other ops, or when it cannot run."""
+    if func not in SIZED_BY_RUNNING:
+        return None
+    signature = _signature(func, args, kwargs or {}, cuda_only=False)
+    if signature is None:
+        return None
+    key, spec, described = signature
+    if key not in _output_bytes:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        try:
+            # real tensors, out of the fake mode and trackers (with grad mode as the call had it: under no_grad
+            # the oneDNN kernel makes no reserve)
+            with _disable_current_modes():
+                real_args, real_kwargs = tree_unflatten([_materialize(leaf) for leaf in described], spec)
+                out = func(*real_args, **real_kwargs)
+                flat, _ = tree_flatten(out)
+                _output_bytes[key] = tuple(t.untyped_storage().nbytes() for t in flat if isinstance(t, torch.Tensor))
+        except Exception as error:    # noqa: BLE001 — a probe must never stop planning; logged, fake sizes kept
+            log.warning("could not measure the outputs of %s: %s", func, error)
+            _output_bytes[key] = None
+    return _output_bytes[key]
 
 
 def warm_up_blas(device: torch.device) -> None:
