@@ -96,16 +96,56 @@ def gradient_state(model: torch.nn.Module) -> str:
     return f" with gradients of {len(grads)} parameters ({format_bytes(tensor_bytes(grads))})"
 
 
-def _cache_key(signature: str, args: tuple, kwargs: dict) -> str:
-    return f"{signature} {tree_flatten((args, kwargs))[1]}"   # + the nesting structure
+def mode_state(model: torch.nn.Module) -> str:
+    """The modes a step runs in, for a plan's signature: ``""`` in training mode throughout, else
+    " in eval mode" or " with 2 submodules in eval mode" (a frozen BatchNorm, dropout turned off).
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout())
+        >>> m[1].eval()
+        Dropout(p=0.5, inplace=False)
+        >>> mode_state(m)
+        ' with 1 submodule in eval mode'
+    """
+    if not model.training:
+        return " in eval mode"
+    frozen = sum(not module.training for module in model.modules())
+    return f" with {frozen} submodule{'s' if frozen > 1 else ''} in eval mode" if frozen else ""
+
+
+def model_state(model: torch.nn.Module) -> int:
+    """What a captured graph fixes about the model beyond its inputs and tensors, hashed: each submodule's
+    mode and forward hooks (traced into the graph), the names of its parameters and buffers and which
+    require grad. A change to any of them (``module.eval()``, a hook added, a parameter frozen) makes the
+    next step use (or make) the plan of that state instead of running a graph that no longer matches."""
+    # (not the global hooks: instruments such as FlopCounterMode's module tracker register them around a step)
+    return hash((tuple((module.training, tuple(module._forward_hooks), tuple(module._forward_pre_hooks))
+                       for module in model.modules()),
+                 tuple((name, t.requires_grad) for name, t in model.named_parameters(remove_duplicate=False)),
+                 tuple(name for name, _ in model.named_buffers(remove_duplicate=False))))
+
+
+def _reads_replaced_tensors(planned: Planned, model: torch.nn.Module) -> bool:
+    """Whether the plan's graph reads a Parameter or buffer object the model no longer has under that name
+    (``model.head.weight = nn.Parameter(...)``, an adapter swapped in): it would train the old one."""
+    graph_module = planned.graph_module
+    own = dict(graph_module.named_parameters(remove_duplicate=False))
+    own.update(graph_module.named_buffers(remove_duplicate=False))
+    current = dict(model.named_parameters(remove_duplicate=False))
+    current.update(model.named_buffers(remove_duplicate=False))
+    return any(own.get(name, tensor) is not tensor for name, tensor in current.items())
+
+
+def _cache_key(signature: str, args: tuple, kwargs: dict, state: int) -> str:
+    return f"{signature} {tree_flatten((args, kwargs))[1]} {state}"   # + the nesting structure, the model's state
 
 
 class CompiledModule(torch.nn.Module):
     """``model`` with a memory plan per input signature. Made by :func:`compile`.
 
     It shares the model's parameters, buffers and submodules (same objects, same ``state_dict`` keys), and
-    passes ``train()`` / ``eval()`` through. In eval mode, under ``torch.no_grad()``, or when nothing
-    requires grad, it runs the original model.
+    passes ``train()`` / ``eval()`` through. Under ``torch.no_grad()``, or when nothing requires grad, it runs
+    the original model; in eval mode with autograd on, a step is planned too (a plan of its own).
     """
 
     def __init__(self, model: torch.nn.Module, budget, options: PlannerOptions):
@@ -179,7 +219,8 @@ class CompiledModule(torch.nn.Module):
             return getattr(self.__dict__["_model"], name)
 
     def _wants_plan(self, args: tuple, kwargs: dict) -> bool:
-        if not (self._model.training and torch.is_grad_enabled()):
+        # whenever autograd records, a backward may follow — in eval mode too (fine-tuning with dropout off)
+        if not torch.is_grad_enabled():
             return False
         if any(p.requires_grad for p in self._model.parameters()):
             return True
@@ -194,11 +235,16 @@ class CompiledModule(torch.nn.Module):
         # every call: the signature computed once, the key made from it; the gradients that exist make a
         # state of their own (gradient accumulation: the first micro-batch makes them, the later ones start
         # with them resident)
-        signature = input_signature(args, kwargs) + gradient_state(self._model)
-        key = _cache_key(signature, args, kwargs)
+        signature = input_signature(args, kwargs) + gradient_state(self._model) + mode_state(self._model)
+        key = _cache_key(signature, args, kwargs, model_state(self._model))
         planned = self._plans.get(key)
-        new = planned is None or self._device_grew(planned, args, kwargs)
+        replaced = planned is not None and _reads_replaced_tensors(planned, self._model)
+        new = planned is None or replaced or self._device_grew(planned, args, kwargs)
         if new:
+            if replaced:
+                # every plan made before reads the replaced tensors too: dropped, so they are not kept alive
+                for stale in [k for k, p in self._plans.items() if _reads_replaced_tensors(p, self._model)]:
+                    del self._plans[stale]
             log.info("planning %s for %s", type(self._model).__name__, signature)
             with torch.random.fork_rng(devices=[]):   # planning must not move the user's RNG stream
                 planned = make_plan(self._model, args, kwargs, self._budget, self._options, signature)
@@ -287,9 +333,26 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
         autorecompute.InfeasibleBudgetError: on the first training call, if no plan fits.
         autorecompute.CaptureError: on the first training call, if the model cannot be captured.
     """
-    parse_budget(budget)
+    _warn_if_checkpointing_itself(model, budget)
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
     return CompiledModule(model, budget, options)
+
+
+def _warn_if_checkpointing_itself(model: torch.nn.Module, budget) -> None:
+    """Checks ``budget``; warns when it is a fraction and the model checkpoints itself (a Hugging Face model
+    after ``gradient_checkpointing_enable()``): it is captured without its checkpoints — the plan decides
+    what is recomputed — so the fraction is of the peak without them, which can be above the peak the
+    model reached with them."""
+    if not isinstance(parse_budget(budget), float):
+        return
+    if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
+        warnings.warn(
+            f"{type(model).__name__} checkpoints itself (gradient_checkpointing is on): autorecompute captures it "
+            f"without its checkpoints and plans every activation, so budget={budget} is a fraction of the peak "
+            "without them, which can be above the peak it reached with them. Fix: give the budget in bytes, or "
+            "turn the model's own checkpointing off (Hugging Face: activation_checkpointing_disable(), before "
+            "transformers 5 gradient_checkpointing_disable()).",
+            UserWarning, stacklevel=3)
 
 
 def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tuple[str, ...] = DEFAULT_ACTIONS,
@@ -307,7 +370,8 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
         >>> p.count("recompute")
         0
     """
+    _warn_if_checkpointing_itself(model, budget)
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
     planned: Planned = make_plan(model, args, kwargs, budget, options,
-                                 input_signature(args, kwargs) + gradient_state(model))
+                                 input_signature(args, kwargs) + gradient_state(model) + mode_state(model))
     return planned.plan

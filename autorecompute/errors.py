@@ -26,13 +26,25 @@ class InfeasibleBudgetError(AutorecomputeError, ValueError):
         self.minimum = minimum
         self.breakdown = dict(breakdown)
         rows = "\n".join(f"    {kind:<12} {format_bytes(n):>12}" for kind, n in breakdown.items())
+        # what the model itself holds at the end of backward, whatever the actions and the batch
+        state = sum(n for kind, n in breakdown.items() if kind in _MODEL_STATE)
+        fixes = [f"pass budget>={minimum}"]
         missing = tuple(a for a in ("recompute", "offload", "compress") if a not in actions)
-        more = f"allow more actions (e.g. actions={tuple(actions) + missing[:1]!r}), " if missing else ""
+        if budget < state:
+            fixes.append(f"shrink the model: its parameters, buffers and gradients alone take {format_bytes(state)}"
+                         ", which no action or batch size lowers")
+        else:
+            if missing:
+                fixes.append(f"allow more actions (e.g. actions={tuple(actions) + missing[:1]!r})")
+            fixes.append("shrink the batch")
         super().__init__(
             f"budget {format_bytes(budget)} is below the minimum peak {format_bytes(minimum)} "
             f"({minimum} bytes) reachable with actions {actions}.\n"
             f"  The minimum peak is made of:\n{rows}\n"
-            f"  Fix: pass budget>={minimum}, or {more}or shrink the batch.")
+            f"  Fix: {', or '.join(fixes)}.")
+
+
+_MODEL_STATE = ("parameters", "buffers", "gradients", "new gradients")
 
 
 class SolverError(AutorecomputeError, RuntimeError):

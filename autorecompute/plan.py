@@ -226,8 +226,9 @@ class Plan:
             f"  baseline peak   {format_bytes(self.baseline_peak):>12}   minimum peak   "
             f"{format_bytes(self.minimum_peak)}",
             "  resident        " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.resident.items() if v),
-            f"  recompute       {self.count('recompute')} of {len(self.decisions)} ops, extra FLOPs "
-            f"{self.extra_flops:.3g} ({100 * self.extra_flops_ratio:.1f}% of forward)",
+            f"  recompute       {self.count('recompute')} of {len(self.decisions)} ops",
+            # (rematerializations run ops again too: the FLOPs are the plan's, not the recompute line's)
+            f"  extra FLOPs     {self.extra_flops:.3g} ({100 * self.extra_flops_ratio:.1f}% of forward)",
             *self._stash_lines(),
             "  activation bytes off the device by action: " + ", ".join(
                 f"{action} {format_bytes(n)}" for action, n in sorted(self.bytes_by_action().items())),

@@ -12,7 +12,13 @@ again next to each of its later readers, so that the narrow tensor, not the wide
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 import operator
+import sys
+import unittest.mock
+import warnings
+from typing import Iterator
 
 import torch
 import torch.fx
@@ -38,8 +44,11 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     Raises:
         CaptureError: when ``torch.export`` cannot trace the model; the message names the construct.
     """
+    _refuse_sparse_gradients(model)
+    _warn_of_forward_hooks(model)
     try:
-        exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+        with _eager_mask_decisions(model, args, kwargs):
+            exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except Exception as exc:  # export raises many types; all mean "cannot capture"
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(
@@ -56,6 +65,65 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _refuse_sparse_gradients(model: torch.nn.Module) -> None:
+    """Sparse gradients (``nn.Embedding(sparse=True)``) have no storage to measure, and their size depends on
+    the indices' values, which a plan made on fake tensors cannot know."""
+    for path, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+            raise CaptureError(
+                f"{type(module).__name__} {path or type(model).__name__!r} makes sparse gradients (sparse=True), "
+                "whose size depends on the indices' values: autorecompute cannot bound their memory.\n"
+                "  Fix: construct it with sparse=False (dense gradients, what most optimizers take), or run it "
+                "outside autorecompute.compile and compile the rest of the model.")
+
+
+def _warn_of_forward_hooks(model: torch.nn.Module) -> None:
+    """A forward hook runs once, while the model is traced: what it computes on tensors becomes part of the
+    graph, but its other effects (storing activations, logging) do not happen again at each step."""
+    hooked = [path or type(model).__name__ for path, module in model.named_modules()
+              if module._forward_hooks or module._forward_pre_hooks]
+    if hooked:
+        warnings.warn(
+            f"forward hooks on {hooked[:3]}{' …' if len(hooked) > 3 else ''} run once, while autorecompute "
+            "captures the model: the tensor ops they apply are part of every step, but their other effects "
+            "(storing activations, logging, counters) happen only at capture, not at each step. Fix: do that "
+            "outside the compiled module (on its outputs), or compile a submodule without the hooks.",
+            UserWarning, stacklevel=2)
+
+
+@contextlib.contextmanager
+def _eager_mask_decisions(model: torch.nn.Module, args: tuple, kwargs: dict) -> Iterator[None]:
+    """Hugging Face's attention masks decided as in eager. Its masking utilities skip the causal mask when no
+    attention mask is passed and the query is as long as the keys (SDPA then runs with ``is_causal`` and, for
+    grouped-query attention, ``enable_gqa``: a fused kernel), but never under ``torch.export``, whose graph
+    may be called with other shapes, and read the position ids' values to detect packed sequences. A plan
+    serves only calls with its input signature (shapes, and which arguments are passed), for which the first
+    decision is fixed, and positions the model makes itself (none passed) are never packed: decided here as
+    in eager, a captured Llama computes eager's gradients bit for bit (materialized, its mask and repeated
+    keys take another kernel and differ by ~1e-4). Decisions that read values the caller passes (a padding
+    mask, position ids) stay export's: the mask is built."""
+    masking_utils = sys.modules.get("transformers.masking_utils")    # only where the model imported it
+    if masking_utils is None or not callable(getattr(masking_utils, "is_torchdynamo_exporting", None)):
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(unittest.mock.patch.object(masking_utils, "is_torchdynamo_exporting", lambda: False))
+        if callable(getattr(masking_utils, "find_packed_sequence_indices", None)) \
+                and _not_passed(model, args, kwargs, "position_ids"):
+            stack.enter_context(unittest.mock.patch.object(masking_utils, "find_packed_sequence_indices",
+                                                           lambda position_ids: None))
+        yield
+
+
+def _not_passed(model: torch.nn.Module, args: tuple, kwargs: dict, name: str) -> bool:
+    """Whether the call ``model(*args, **kwargs)`` leaves its argument ``name`` out (or None)."""
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return bound.arguments.get(name) is None and name not in bound.arguments.get("kwargs", {})
 
 
 def _share_state_with(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:

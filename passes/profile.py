@@ -142,6 +142,10 @@ class _Profiler(torch.fx.Interpreter):
         self.first_segment_peak = 0          # memory before the first backward event (the seed gradients)
         self.counter: FlopCounterMode | None = None
         self.flops_at_last_pack = 0
+        # handles of the backward-event hooks and the storages' finalizers, removed after the step: an autograd
+        # node or a storage the step leaves alive would keep the profiler (and ``gm``) through them
+        self.hooks: list = []
+        self.finalizers: list[weakref.finalize] = []
 
     # saved-tensor hook: records which storage the running node asks autograd to keep
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -190,7 +194,7 @@ class _Profiler(torch.fx.Interpreter):
                 if n.target is operator.getitem:   # the tuple's producer allocated it
                     name, owner = n.name, n.args[0].name
                 self.owner_of_key[key] = name
-                weakref.finalize(storage, self._forget, key)
+                self.finalizers.append(weakref.finalize(storage, self._forget, key))
                 self.tensors[name] = TensorInfo(
                     name=name, owner=owner, nbytes=storage.nbytes(), shape=tuple(t.shape),
                     dtype=str(t.dtype).replace("torch.", ""), birth=self.infos[owner].position
@@ -216,7 +220,7 @@ class _Profiler(torch.fx.Interpreter):
             if name is None:   # a tensor the op made internally and kept for backward (a dropout mask)
                 name = f"{n.name}.saved{len(created)}"
                 self.owner_of_key[key] = name
-                weakref.finalize(storage, self._forget, key)
+                self.finalizers.append(weakref.finalize(storage, self._forget, key))
                 self.tensors[name] = TensorInfo(
                     name=name, owner=n.name, nbytes=storage.nbytes(), shape=tuple(t.shape),
                     dtype=str(t.dtype).replace("torch.", ""), birth=self.position,
@@ -235,7 +239,7 @@ class _Profiler(torch.fx.Interpreter):
                 self.shares_backward[n.name] = self.grad_fn_owner[id(grad_fn)]
         elif grad_fn is not None:
             self.grad_fn_owner[id(grad_fn)] = n.name
-            grad_fn.register_prehook(self._on_backward(n.name))
+            self.hooks.append(grad_fn.register_prehook(self._on_backward(n.name)))
         self.infos[n.name] = NodeInfo(
             position=self.position, flops=int(flops), creates=created, reads=reads,
             saves=saves, saves_static_bytes=self.static_saved.get(n.name, 0), backward_event=None,
@@ -305,6 +309,10 @@ def _profile_once(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> StepPr
             if grads_of:
                 torch.autograd.backward(grads_of, [torch.ones_like(t) for t in grads_of])
             del grads_of
+            for handle in profiler.hooks:
+                handle.remove()
+            for finalizer in profiler.finalizers:
+                finalizer.detach()
             last = tracker.reset_window_peak()
             for name, maker in profiler.shares_backward.items():
                 profiler.infos[name].backward_event = profiler.infos[maker].backward_event

@@ -1,4 +1,8 @@
 """The public surface: shared state, pass-through modes, lazy per-signature plans, output structure."""
+import gc
+import warnings
+import weakref
+
 import pytest
 import torch
 
@@ -23,18 +27,90 @@ def test_compiled_module_shares_parameters_buffers_and_state_dict_keys():
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
-def test_train_eval_and_no_grad_pass_through_without_planning():
+def test_no_grad_passes_through_and_eval_mode_with_autograd_is_planned():
+    """Under no_grad nothing is planned; in eval mode with autograd on (fine-tuning with dropout off) a
+    backward may follow: the step gets a plan of its own, and its measured peak is within the budget."""
     case = models.make("mlp")
     compiled = autorecompute.compile(case.model, budget=0.5, solver_time_limit=SOLVER_TIME)
+    with torch.no_grad():
+        out = compiled(*case.args)
+    assert compiled.plan is None and torch.equal(out, case.model(*case.args))
     compiled.eval()
     assert not case.model.training
-    out = compiled(*case.args)
-    assert compiled.plan is None and torch.equal(out, case.model(*case.args))
+    measured = measured_step(compiled, case.model, case.args, case.kwargs)
+    assert compiled.plan is not None and compiled.plan.signature.endswith(" in eval mode")
+    assert measured.peak <= compiled.plan.budget
     compiled.train()
     assert case.model.training
-    with torch.no_grad():
-        compiled(*case.args)
-    assert compiled.plan is None
+
+
+class Tuned(torch.nn.Module):
+    """A small net with BatchNorm and dropout: what fine-tuning freezes after the first steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+                                          for _ in range(4)])
+        self.norm = torch.nn.BatchNorm1d(64)
+        self.drop = torch.nn.Dropout(0.3)
+        self.head = torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.head(self.drop(self.norm(self.body(x))))
+
+
+def _tuned_pair():
+    torch.manual_seed(0)
+    eager = Tuned()
+    torch.manual_seed(0)
+    model = Tuned()
+    return eager, model, autorecompute.compile(model, budget=0.7, solver_time_limit=SOLVER_TIME)
+
+
+def _step(module, x):
+    torch.manual_seed(1)
+    module(x).sum().backward()
+
+
+def test_a_changed_model_is_planned_again_not_run_on_a_stale_graph():
+    """A captured graph fixes each submodule's mode, the forward hooks and the Parameter objects it reads.
+    After ``norm.eval()`` / ``drop.eval()``, a parameter replaced, or a hook added, the next step plans
+    again and computes what eager computes: gradients (the new parameter's too, the hook's doubling
+    included), BatchNorm's running statistics left alone in eval mode; the replaced parameter is freed."""
+    x = torch.randn(2048, 64)
+    eager, model, compiled = _tuned_pair()
+    _step(eager, x)
+    _step(compiled, x)
+    for m in (eager, model):
+        m.zero_grad(set_to_none=True)
+        m.norm.eval()
+        m.drop.eval()
+    _step(eager, x)
+    _step(compiled, x)
+    assert len(compiled.plans) == 2 and compiled.plan.signature.endswith(" with 2 submodules in eval mode")
+    assert torch.equal(model.norm.running_mean, eager.norm.running_mean)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+
+    frozen, old_weight = compiled.plan, weakref.ref(model.head.weight)
+    for m in (eager, model):
+        m.zero_grad(set_to_none=True)
+        m.head.weight = torch.nn.Parameter(torch.ones(8, 64))
+    _step(eager, x)
+    _step(compiled, x)
+    assert compiled.plan is not frozen      # same signature, planned again
+    gc.collect()
+    assert old_weight() is None             # no plan left that keeps the replaced weight alive
+    assert model.head.weight.grad is not None and torch.equal(model.head.weight.grad, eager.head.weight.grad)
+
+    replaced = compiled.plan
+    for m in (eager, model):
+        m.zero_grad(set_to_none=True)
+        m.body[2].register_forward_hook(lambda module, inputs, output: output * 2)
+    _step(eager, x)
+    with pytest.warns(UserWarning, match="run once"):      # its tensor ops are traced; side effects are not
+        _step(compiled, x)
+    assert compiled.plan is not replaced
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
 
 
 def test_plans_are_cached_per_input_signature():
@@ -327,3 +403,29 @@ def test_a_plan_is_made_again_when_more_is_allocated_on_the_device(monkeypatch):
     again = compiled.prepare(*case.args)
     assert again is not first and again.resident["other on device"] == 9 << 20
     assert len(compiled.plans) == 1 and compiled.prepare(*case.args) is again
+
+
+def test_the_infeasible_budget_fix_names_only_what_can_help():
+    """Below what the parameters and their gradients take, neither actions nor a smaller batch help: the
+    fix says so; above it, it names an action not yet allowed, then the batch (never "or or")."""
+    breakdown = {"parameters": 1000, "buffers": 0, "inputs": 100, "new gradients": 1000, "activations": 500}
+    model_bound = autorecompute.InfeasibleBudgetError(1500, 2600, breakdown, ("recompute", "offload", "compress"))
+    assert "shrink the model" in str(model_bound) and "actions=" not in str(model_bound)
+    assert "batch" not in str(model_bound).split("Fix:")[1].replace("batch size", "")
+    everything = autorecompute.InfeasibleBudgetError(2200, 2600, breakdown, ("recompute", "offload", "compress"))
+    assert str(everything).endswith("Fix: pass budget>=2600, or shrink the batch.")
+    fewer = autorecompute.InfeasibleBudgetError(2200, 2600, breakdown, ("recompute",))
+    assert "actions=('recompute', 'offload')" in str(fewer) and " or or " not in str(fewer)
+
+
+def test_a_fraction_of_a_model_that_checkpoints_itself_warns():
+    """HF's gradient checkpointing is captured away: a fractional budget is of the peak without it, which can
+    be above what the model reached with it — said at compile time; bytes do not warn."""
+    case = models.make("gpt2")
+    enable = getattr(case.model, "activation_checkpointing_enable", None) or case.model.gradient_checkpointing_enable
+    enable()           # (transformers 5 renamed it; both set ``gradient_checkpointing`` on the blocks)
+    with pytest.warns(UserWarning, match="checkpoints itself"):
+        autorecompute.compile(case.model, budget=0.6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autorecompute.compile(case.model, budget="5MB")

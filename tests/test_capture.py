@@ -1,4 +1,5 @@
 """Capture: what the planner sees of attention, and of ops whose results are written in place later."""
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
@@ -168,3 +169,38 @@ def test_an_op_that_does_not_widen_or_carries_gradient_is_not_duplicated():
     gm = capture(Learned(), (torch.randn(2, 8, 16),), {})
     scaled = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.mul.Tensor]
     assert len(scaled) == 1 and len(scaled[0].users) == 2
+
+
+def _llama(**config):
+    t = models._quiet_transformers()
+    torch.manual_seed(0)
+    cfg = t.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=192, vocab_size=256, max_position_embeddings=128, use_cache=False,
+                        bos_token_id=0, eos_token_id=0, pad_token_id=0, **config)
+    return t.LlamaForCausalLM(cfg)
+
+
+def test_a_hugging_face_decoder_with_default_attention_is_captured_as_eager_runs_it():
+    """Llama's default attention (SDPA, grouped-query): eager skips the causal mask and runs the fused kernel
+    with ``is_causal`` and ``enable_gqa``; ``torch.export`` alone builds the mask, repeats the keys and
+    takes the masked kernel (gradients ~1e-4 off). Captured with eager's decisions (no mask, no packed
+    sequences passed), the graph has one SDPA call per layer on the unrepeated keys, and a plan's
+    gradients are eager's bit for bit."""
+    ids = torch.randint(0, 256, (4, 64))
+    gm = capture(_llama(), (ids,), {})
+    calls = [n for n in gm.graph.nodes if n.target is SDPA]
+    assert len(calls) == 2 and all(n.kwargs.get("enable_gqa") and n.args[3] is None for n in calls)
+    eager_model, planned_model = _llama(), _llama()
+    eager = measured_step(eager_model, eager_model, (ids,), {})
+    compiled = autorecompute.compile(planned_model, budget=0.6, solver_time_limit=1)
+    planned = measured_step(compiled, planned_model, (ids,), {})
+    assert planned.peak <= compiled.plan.budget
+    assert_bitwise_equal(planned, eager)
+
+
+def test_a_sparse_gradient_is_refused_with_the_fix():
+    """Sparse gradients' size depends on the indices' values: a typed error naming the module and the fix,
+    not an internal fake-tensor exception."""
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 16, sparse=True), torch.nn.Linear(16, 4))
+    with pytest.raises(autorecompute.CaptureError, match=r"(?s)Embedding '0'.*sparse=False"):
+        capture(model, (torch.randint(0, 100, (2, 8)),), {})
