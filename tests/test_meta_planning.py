@@ -17,3 +17,20 @@ def test_gpt2_small_plans_on_meta():
     assert plan.solver_status and 0.0 <= plan.solver_gap <= 1.0
     assert plan.count("recompute") + len(plan.stash) > 0
     assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_a_model_planned_on_meta_gets_the_plan_it_gets_on_the_cpu_when_it_rematerializes():
+    """A rematerialization records the autocast state of its tensor's device; meta has none (it raised).
+    An MLP whose plans rematerialize GELU inputs plans on meta as on the CPU: the same unoptimized peak,
+    and a plan under the budget that stashes tensors."""
+    def make(device):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+                                          for _ in range(6)])
+        return model, torch.randn(512, 256, device=device)
+
+    plans = {device: autorecompute.plan(*make(device), budget=0.8, actions=("recompute",), solver_time_limit=1.0)
+             for device in ("cpu", "meta")}
+    assert plans["meta"].baseline_peak == plans["cpu"].baseline_peak
+    assert plans["meta"].predicted_peak <= plans["meta"].budget and plans["meta"].stash

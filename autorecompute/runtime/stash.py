@@ -142,7 +142,8 @@ class _Stash:
         # where it changes something: backward usually runs without gradient and autocast, and entering
         # both took a third of a small rematerialization's time)
         grad_off = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
-        same_autocast = not enabled and not torch.is_autocast_enabled(device_type)
+        same_autocast = not enabled and not (torch.amp.is_autocast_available(device_type)
+                                             and torch.is_autocast_enabled(device_type))
         cast = contextlib.nullcontext() if same_autocast else torch.autocast(device_type, dtype=dtype, enabled=enabled)
         with grad_off, cast:
             if rng is None:
@@ -447,7 +448,9 @@ def stash_rematerialize(runtime: StashRuntime, tensor: torch.Tensor, name: str, 
     if keep and not delivers:
         return _register(runtime, tensor, name, "rematerialize", skip=True)
     device_type = tensor.device.type if isinstance(tensor, torch.Tensor) else "cpu"
-    autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    # (a device autocast does not know — meta, when planning allocates nothing — is never under it)
+    autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)) \
+        if torch.amp.is_autocast_available(device_type) else (device_type, False, None)
     skip = set(unchecked)
     tensors = [a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in skip]
     tensors += [a for a in kwargs.values() if isinstance(a, torch.Tensor)]
