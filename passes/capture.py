@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import operator
+import os
 import sys
+import traceback
 import unittest.mock
 import warnings
 from typing import Iterator
@@ -50,12 +52,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
         with _eager_mask_decisions(model, args, kwargs):
             exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except Exception as exc:  # export raises many types; all mean "cannot capture"
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}: {type(exc).__name__}: {first_line}\n"
-            "  Fix: make the failing construct traceable (data-dependent Python control flow on tensor values,"
-            " .item(), .tolist(), or iterating a tensor are the usual causes), wrap it in a submodule you run"
-            " outside autorecompute, or apply autorecompute.compile to a traceable submodule instead.") from exc
+        raise CaptureError(_capture_failure(model, exc)) from exc
     gm = exported.module()
     _share_state_with(gm, model)
     _drop_guards_and_asserts(gm)
@@ -65,6 +62,38 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _capture_failure(model: torch.nn.Module, exc: Exception) -> str:
+    """What a user needs from an export failure: the error's first line, where in their code it happened
+    (the line torch names, else the innermost frame outside torch and autorecompute) and the fix."""
+    message = str(exc).strip()
+    first_line = message.splitlines()[0] if message else type(exc).__name__
+    where = _failing_line(message, exc)
+    fix = ("pass use_cache=False (or set config.use_cache = False): a key/value cache is for generation, not "
+           "training" if "Cache" in message and "output" in message else
+           "make the failing construct traceable (data-dependent Python control flow on tensor values, .item(), "
+           ".tolist(), or iterating a tensor are the usual causes), wrap it in a submodule you run outside "
+           "autorecompute, or apply autorecompute.compile to a traceable submodule instead")
+    return (f"torch.export could not capture {type(model).__name__}: {type(exc).__name__}: {first_line}\n"
+            + (f"  where: {where}\n" if where else "") + f"  Fix: {fix}.")
+
+
+def _failing_line(message: str, exc: Exception) -> str | None:
+    marker = "The following call raised this error:"
+    if marker in message:
+        lines = [line.strip() for line in message.split(marker, 1)[1].splitlines() if line.strip()][:2]
+        if lines and lines[0].startswith("File "):
+            return ": ".join(lines)
+    import autorecompute
+
+    inside = tuple(os.path.dirname(path) + os.sep for path in (torch.__file__, autorecompute.__file__, __file__))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(inside) and not f.filename.startswith("<")]   # (not generated code)
+    if not frames:
+        return None
+    frame = frames[-1]
+    return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}' + (f": {frame.line}" if frame.line else "")
 
 
 def _refuse_sparse_gradients(model: torch.nn.Module) -> None:

@@ -204,3 +204,11 @@ def test_a_sparse_gradient_is_refused_with_the_fix():
     model = torch.nn.Sequential(torch.nn.Embedding(100, 16, sparse=True), torch.nn.Linear(16, 4))
     with pytest.raises(autorecompute.CaptureError, match=r"(?s)Embedding '0'.*sparse=False"):
         capture(model, (torch.randint(0, 100, (2, 8)),), {})
+
+
+def test_a_model_returning_a_key_value_cache_is_told_to_turn_it_off():
+    """HF decoders return a DynamicCache by default (``use_cache=True``), which export cannot flatten."""
+    t = models._quiet_transformers()
+    model = t.GPT2LMHeadModel(t.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    with pytest.raises(autorecompute.CaptureError, match="use_cache=False"):
+        capture(model, (torch.randint(0, 64, (2, 16)),), {})

@@ -113,8 +113,10 @@ def test_uncapturable_model_raises_capture_error():
                 return self.lin(x)
             return -self.lin(x)
 
-    with pytest.raises(autorecompute.CaptureError, match="torch.export could not capture DataDependent"):
+    with pytest.raises(autorecompute.CaptureError, match="torch.export could not capture DataDependent") as info:
         autorecompute.plan(DataDependent(), torch.randn(2, 4), budget="1GB")
+    # the construct, in the user's code: file, line and source
+    assert f'File "{__file__}"' in str(info.value) and "if x.sum().item() > 0:" in str(info.value)
 
 
 def test_a_budget_near_the_minimum_gets_a_cost_solved_plan():
