@@ -155,11 +155,19 @@ class Plan:
         """Recomputed FLOPs over forward FLOPs."""
         return self.extra_flops / self.baseline_flops if self.baseline_flops else 0.0
 
+    def _ops(self) -> list[str]:
+        """The ops the plan decides, and those whose activations it could stash (all the ops it acts on
+        where only offload or compress is allowed), in graph order where recorded."""
+        stashed = {r.owner for name, r in self.stash.items() if not name.startswith(GRADIENT)}
+        return [*self.nodes, *(name for name in self.decisions if name not in self.nodes),
+                *sorted(stashed - set(self.nodes) - set(self.decisions))]
+
     def table(self) -> list[dict[str, Any]]:
-        """One row per decided op, in graph order: name, module, shape, dtype, bytes, held bytes (what
-        autograd keeps of it when nothing is recomputed), FLOPs, action, and why."""
+        """One row per op the plan decides or holds activations of, in graph order: name, module, shape,
+        dtype, bytes, held bytes (what autograd keeps of it when nothing is recomputed), FLOPs, action, and
+        why."""
         rows = []
-        for name in self.decisions:
+        for name in self._ops():
             action = self.action_of(name)
             node = self.nodes.get(name) or NodeRecord((), "", 0, 0, 0, "")
             rows.append({"name": name, "action": action, "module": node.module, "shape": tuple(node.shape),
@@ -177,7 +185,8 @@ class Plan:
         """Bytes of activations each action takes off the device between forward and backward: recomputed,
         offloaded, saved by each compression dtype; ``keep``: what stays held on the device."""
         totals: dict[str, int] = {}
-        for name, action in self.decisions.items():
+        for name in self._ops():
+            action = self.decisions.get(name, "keep")
             held = self.nodes[name].held_bytes if name in self.nodes else 0
             for record in self._stashed_of(name):
                 totals[record.action] = totals.get(record.action, 0) + record.saved_bytes

@@ -429,8 +429,9 @@ def _node_records(gm: torch.fx.GraphModule, problem: Problem) -> dict[str, NodeR
         if act.savers:
             held[act.owner] = held.get(act.owner, 0) + act.nbytes
     records = {}
+    owners = {act.owner for act in problem.activations}      # (the ops offload or compress can act on)
     for node in gm.graph.nodes:
-        if node.name not in problem.recomputable:
+        if node.name not in problem.recomputable and node.name not in owners:
             continue
         info = node_info(node)
         first = profile.tensors[info.creates[0]] if info.creates else None

@@ -94,3 +94,16 @@ def test_printed_plan_has_summary_and_a_folded_table(plan):
 def test_saving_an_unknown_format_is_an_error(plan, tmp_path):
     with pytest.raises(ValueError, match=r"\.dot, \.svg, \.json, \.html or \.png"):
         plan.save(str(tmp_path / "plan.pdf"))
+
+
+def test_an_offload_only_plan_reports_what_it_moves():
+    """Without "recompute" no op is decided; the table, the totals and the summary still show the offloaded
+    tensors and what stays: bytes by action add up to what autograd holds."""
+    case = models.make("mlp")
+    plan = autorecompute.plan(case.model, *case.args, budget=0.7, actions=("offload",), solver_time_limit=1.0)
+    moved = sum(r.saved_bytes for r in plan.stash.values())
+    totals = plan.bytes_by_action()
+    assert moved > 0 and totals.get("offload", 0) + totals.get("offload:late", 0) == moved
+    assert sum(row["held_bytes"] for row in plan.table()) == sum(totals.values())
+    assert any(row["action"].startswith("offload") for row in plan.table())
+    assert "offload" in plan.summary().split("by action:")[1]
