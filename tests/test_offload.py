@@ -109,29 +109,40 @@ def test_unwritable_offload_dir_fails_before_training(tmp_path):
 
 
 def test_a_full_disk_stops_the_step_with_an_error(monkeypatch, tmp_path):
-    """A write that fails mid-step (ENOSPC) raises OffloadError naming the tensor; nothing is lost silently."""
+    """A write that fails mid-step (ENOSPC, after two files were written) raises OffloadError naming the
+    tensor; nothing is lost silently, and the files the failed step wrote are gone at once (the next step
+    needs the space)."""
     case = models.make("mlp")
     compiled = autorecompute.compile(case.model, budget=0.5, actions=("offload",), offload_dir=str(tmp_path),
                                      solver_time_limit=SOLVER_TIME)
     compiled.prepare(*case.args)
-    assert compiled.plan.count("offload") > 0
+    assert compiled.plan.count("offload") > 2
+    written = []
 
     class FullDisk:
         def __init__(self, path, mode):
-            self.path = path
+            self.file = open(path, mode)
 
         def __enter__(self):
             return self
 
         def __exit__(self, *exc):
+            self.file.close()
             return False
 
+        def flush(self):
+            self.file.flush()
+
         def write(self, data):
-            raise OSError(errno.ENOSPC, "No space left on device")
+            if len(written) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            written.append(self.file.name)
+            return self.file.write(data)
 
     monkeypatch.setattr(tiers, "open", FullDisk, raising=False)
     with pytest.raises(autorecompute.OffloadError, match="No space left on device.*Fix: free space"):
         compiled(*case.args).sum().backward()
+    assert len(written) == 2 and not any(os.path.exists(path) for path in written)
 
 
 def test_saved_views_restore_and_a_retained_graph_backwards_twice(tmp_path):

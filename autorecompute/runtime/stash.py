@@ -169,6 +169,18 @@ class _Stash:
         """A saved view may have another dtype than the stash (``view_as_real``): its sizes count those."""
         return flat if dtype == flat.dtype else flat.view(dtype)
 
+    def discard(self) -> None:
+        """Its step failed in forward: the stored copy (a file) goes, and nothing can be restored."""
+        if self.out is not None:
+            try:
+                self.out.wait()    # never delete a file a write is still filling
+            except Exception:      # noqa: BLE001 — the failure being raised already says it
+                pass
+            self.out = None
+        if self.tier is not None and self.started and self.stored is not None:
+            self.tier.release(self.stored)
+        self.stored, self.started, self.flat, self.restored, self.recipe = None, False, None, None, None
+
     def drop_ref(self) -> None:
         """A saved reference died (its op's backward is done): the last one frees everything."""
         self.refs -= 1
@@ -219,6 +231,7 @@ class _Step:
 
     def __init__(self):
         self.stashes: dict[int, _Stash] = {}                        # storage key → stash (registered)
+        self.made: list[_Stash] = []                                # every stash of this forward, released too
         self.saved: dict[int, list[weakref.ref]] = {}               # storage key → refs saved before that
         self.scope: list[tuple[int, _SavedRef]] | None = None       # saves of the op in a stash scope
         self.watching = 0      # stashes announced (stash_watch) and not registered yet: wrap what is saved
@@ -258,6 +271,7 @@ class _Step:
 
     def register(self, stash: _Stash) -> None:
         self.stashes[stash.key] = stash
+        self.made.append(stash)
         for ref in self.saved.pop(stash.key, []):      # saved by the op that made it (e.g. relu saves its result)
             saved = ref()
             if saved is not None and saved.stash is None:
@@ -366,6 +380,12 @@ class StashRuntime(torch.nn.Module):
         self._local.step = step
         try:
             yield
+        except BaseException:
+            # the forward failed (a full disk): its stored copies go now, not when the traceback that holds
+            # its partial graph is freed — they would take the space the next step needs
+            for stash in step.made:
+                stash.discard()
+            raise
         finally:
             while step.hooked:         # an op raised inside a window: leave autograd's hook stack as it was
                 step.hooks_off()
