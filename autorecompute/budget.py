@@ -14,8 +14,8 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\
 
 ACCEPTED_FORMS = (
     "accepted budgets: an int number of bytes > 0 (12_000_000_000); a string with an SI or IEC unit "
-    "('12GB' = 12*10**9 bytes, '12GiB' = 12*2**30, '512 MB', '1.5GiB'); or a float in (0, 1] meaning "
-    "that fraction of the unoptimized peak (0.5)")
+    "('12GB' = 12*10**9 bytes, '12GiB' = 12*2**30, '512 MB', '1.5GiB') or of whole bytes ('12000000'); or a "
+    "float in (0, 1] meaning that fraction of the unoptimized peak (0.5, or the string '0.5')")
 
 
 def parse_budget(budget: int | float | str) -> int | float:
@@ -30,6 +30,8 @@ def parse_budget(budget: int | float | str) -> int | float:
         >>> parse_budget("1.5GiB")
         1610612736
         >>> parse_budget(0.5)
+        0.5
+        >>> parse_budget("0.5")      # a unitless decimal, as a command line gives it: a fraction
         0.5
 
     Raises:
@@ -50,7 +52,16 @@ def parse_budget(budget: int | float | str) -> int | float:
         unit = match and _UNITS.get(match.group(2).lower())
         if not match or unit is None:
             raise ValueError(f"budget {budget!r} is not understood; {ACCEPTED_FORMS}")
-        nbytes = int(float(match.group(1)) * unit)
+        number = float(match.group(1))
+        if not match.group(2) and not number.is_integer():
+            # a unitless decimal (from a command line or a config file): a fraction, as the float would be
+            if 0.0 < number <= 1.0:
+                return number
+            raise ValueError(f"budget {budget!r} is a decimal without a unit: a fraction of the unoptimized peak "
+                             f"must be in (0, 1], bytes a whole number or a size with a unit; {ACCEPTED_FORMS}")
+        if not match.group(2) and "." in match.group(1) and number == 1.0:
+            return 1.0         # "1.0": the whole unoptimized peak, as 1.0 is
+        nbytes = int(number * unit)
         if nbytes <= 0:
             raise ValueError(f"budget {budget!r} must be > 0 bytes; {ACCEPTED_FORMS}")
         return nbytes

@@ -5,6 +5,7 @@ import argparse
 import importlib
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -83,29 +84,41 @@ def demo(args: argparse.Namespace) -> int:
 def plan_command(args: argparse.Namespace) -> int:
     import autorecompute
 
+    def fail(message: str, code: int = 2) -> int:
+        print(f"error: {message}", file=sys.stderr)
+        return code
+
     module_name, _, factory_name = args.factory.partition(":")
     if not factory_name:
-        print(f"error: expected MODULE:FACTORY, got {args.factory!r}", file=sys.stderr)
-        return 2
+        return fail(f"expected MODULE:FACTORY, got {args.factory!r}")
+    if args.out and Path(args.out).suffix.lower() not in SAVE_FORMATS:     # before minutes of planning
+        return fail(f"--out {args.out!r}: a plan is saved as {', '.join(SAVE_FORMATS)}")
     sys.path.insert(0, ".")
-    factory = getattr(importlib.import_module(module_name), factory_name)
-    made = factory()
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as error:
+        return fail(f"cannot load {args.factory!r}: {type(error).__name__}: {error}")
+    try:
+        made = factory()
+    except Exception as error:  # noqa: BLE001 — the user's code: say so, with its error
+        return fail(f"{args.factory}() raised {type(error).__name__}: {error}")
     model, example = (made if isinstance(made, tuple) else (made, None))
     if args.input_shape:
-        shape = [int(s) for s in args.input_shape.split(",")]
+        try:
+            shape = [int(s) for s in args.input_shape.split(",")]
+        except ValueError:
+            return fail(f"--input-shape {args.input_shape!r}: expected comma-separated sizes, e.g. 8,3,224,224")
         example = (torch.randn(*shape),)
     if example is None:
-        print("error: the factory returned no inputs; pass --input-shape", file=sys.stderr)
-        return 2
+        return fail("the factory returned no inputs; pass --input-shape")
     example = example if isinstance(example, tuple) else (example,)
     try:
         plan = autorecompute.plan(model, *example, budget=args.budget, solver_time_limit=args.solver_time_limit,
                                   actions=tuple(args.actions.split(",")),
                                   compress_dtypes=tuple(args.compress_dtypes.split(",")) if args.compress_dtypes else None,
                                   objective=args.objective)
-    except (autorecompute.InfeasibleBudgetError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    except (autorecompute.AutorecomputeError, ValueError) as error:
+        return fail(str(error), 1)
     print(plan)
     if args.out:
         plan.save(args.out)
@@ -113,13 +126,18 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def budget_arg(text: str):
-    """A CLI budget: "0.5" is a fraction of the unoptimized peak, "12000000" bytes, "12GB" a size."""
+SAVE_FORMATS = (".html", ".json", ".dot", ".svg", ".png")
+
+
+def budget_arg(text: str) -> int | float:
+    """A CLI budget, read as :func:`autorecompute.parse_budget` reads a string: "0.5" a fraction of the
+    unoptimized peak, "12000000" bytes, "12GB" a size."""
+    from autorecompute.budget import parse_budget
+
     try:
-        number = float(text)
-    except ValueError:
-        return text
-    return number if number <= 1.0 else int(number)
+        return parse_budget(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,12 +6,14 @@ from autorecompute.budget import format_bytes, resolve_budget
 
 @pytest.mark.parametrize("text, expected", [
     ("12GB", 12_000_000_000), ("12GiB", 12 * 2**30), ("512 MB", 512_000_000), ("1.5GiB", int(1.5 * 2**30)),
-    ("100", 100), ("64KiB", 65536), ("2 tb", 2 * 10**12), (4096, 4096), (0.5, 0.5), (1.0, 1.0)])
+    ("100", 100), ("64KiB", 65536), ("2 tb", 2 * 10**12), (4096, 4096), (0.5, 0.5), (1.0, 1.0),
+    ("0.5", 0.5), ("1.0", 1.0), ("1e9", 10**9)])
 def test_accepted_forms(text, expected):
     assert autorecompute.parse_budget(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["12 parsecs", -1, 0, 1.5, None, 0.0, "", "GB", True, [1], float("nan"), "-5GB"])
+@pytest.mark.parametrize("bad", ["12 parsecs", -1, 0, 1.5, None, 0.0, "", "GB", True, [1], float("nan"), "-5GB",
+                                 "1.5", "inf", "0.0"])
 def test_bad_budgets_name_the_accepted_forms(bad):
     with pytest.raises(ValueError, match="accepted budgets"):
         autorecompute.parse_budget(bad)

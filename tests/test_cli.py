@@ -1,4 +1,5 @@
 """The command line: demo and plan."""
+import argparse
 import subprocess
 import sys
 import textwrap
@@ -9,9 +10,13 @@ from autorecompute.cli import budget_arg, main
 
 
 def test_budget_argument_forms():
-    assert budget_arg("0.5") == 0.5
-    assert budget_arg("12000000") == 12_000_000
-    assert budget_arg("12GB") == "12GB"
+    """As the API reads strings: a unitless decimal is a fraction, whole numbers bytes; others refused."""
+    assert budget_arg("0.5") == 0.5 and budget_arg("1.0") == 1.0
+    assert budget_arg("12000000") == 12_000_000 and budget_arg("1") == 1
+    assert budget_arg("12GB") == 12_000_000_000
+    for bad in ("1.5", "inf", "12 parsecs"):
+        with pytest.raises(argparse.ArgumentTypeError, match="accepted budgets"):
+            budget_arg(bad)
 
 
 USER_MODELS = textwrap.dedent("""
@@ -61,3 +66,30 @@ def test_plan_command_actions_and_bad_dtype(user_models, capsys):
     assert main(["plan", "user_models:make", "--budget", "0.9", "--actions", "compress",
                  "--compress-dtypes", "float4"]) == 1
     assert "accepted compress dtypes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan", "user_models:nope", "--budget", "0.8"], "cannot load 'user_models:nope'"),
+    (["plan", "no_such_module:make", "--budget", "0.8"], "cannot load 'no_such_module:make'"),
+    (["plan", "user_models_broken:broken", "--budget", "0.8"], "user_models_broken:broken() raised RuntimeError: boom"),
+    (["plan", "user_models:make", "--budget", "0.8", "--input-shape", "512x256"], "expected comma-separated"),
+    (["plan", "user_models:make", "--budget", "0.8", "--out", "plan.pdf"], "a plan is saved as"),
+])
+def test_plan_command_errors_are_one_line(user_models, capsys, argv, says):
+    """Mistakes on the command line give one ``error:`` line and exit 2 (before any planning), no traceback."""
+    (user_models / "user_models_broken.py").write_text("def broken():\n    raise RuntimeError('boom')\n")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and "Traceback" not in err
+
+
+def test_an_uncapturable_model_is_an_error_line_not_a_traceback(user_models, capsys):
+    (user_models / "user_models_branchy.py").write_text(USER_MODELS + textwrap.dedent("""
+        class Branchy(torch.nn.Module):
+            def forward(self, x):
+                return x if x.sum() > 0 else -x
+        def branchy():
+            return Branchy(), (torch.randn(4, 4, requires_grad=True),)
+    """))
+    assert main(["plan", "user_models_branchy:branchy", "--budget", "0.8"]) == 1
+    assert "could not capture Branchy" in capsys.readouterr().err
