@@ -333,17 +333,17 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
         autorecompute.InfeasibleBudgetError: on the first training call, if no plan fits.
         autorecompute.CaptureError: on the first training call, if the model cannot be captured.
     """
-    _warn_if_checkpointing_itself(model, budget)
+    _warn_if_checkpointing_itself(model, parse_budget(budget))
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
     return CompiledModule(model, budget, options)
 
 
-def _warn_if_checkpointing_itself(model: torch.nn.Module, budget) -> None:
-    """Checks ``budget``; warns when it is a fraction and the model checkpoints itself (a Hugging Face model
+def _warn_if_checkpointing_itself(model: torch.nn.Module, budget: int | float) -> None:
+    """Warns when ``budget`` (parsed) is a fraction and the model checkpoints itself (a Hugging Face model
     after ``gradient_checkpointing_enable()``): it is captured without its checkpoints — the plan decides
     what is recomputed — so the fraction is of the peak without them, which can be above the peak the
     model reached with them."""
-    if not isinstance(parse_budget(budget), float):
+    if not isinstance(budget, float):
         return
     if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
         warnings.warn(
@@ -370,7 +370,7 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
         >>> p.count("recompute")
         0
     """
-    _warn_if_checkpointing_itself(model, budget)
+    _warn_if_checkpointing_itself(model, parse_budget(budget))
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
     planned: Planned = make_plan(model, args, kwargs, budget, options,
                                  input_signature(args, kwargs) + gradient_state(model) + mode_state(model))

@@ -83,6 +83,7 @@ def demo(args: argparse.Namespace) -> int:
 
 def plan_command(args: argparse.Namespace) -> int:
     import autorecompute
+    from autorecompute.report import SAVE_FORMATS
 
     def fail(message: str, code: int = 2) -> int:
         print(f"error: {message}", file=sys.stderr)
@@ -124,9 +125,6 @@ def plan_command(args: argparse.Namespace) -> int:
         plan.save(args.out)
         print(f"wrote {args.out}")
     return 0
-
-
-SAVE_FORMATS = (".html", ".json", ".dot", ".svg", ".png")
 
 
 def budget_arg(text: str) -> int | float:

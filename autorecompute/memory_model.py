@@ -266,7 +266,7 @@ def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None
     effective = _effective_stash(problem, recompute, stash, region, ends, made)
     made_by = delivered(problem, effective)
     if made:
-        yield from _remade_pieces(problem, region, made, static.index)
+        yield from _remade_pieces(problem, region, made)
     # the last chain index of each op's region (a recomputed activation lives to its owner's region's end)
     region_last = list(range(len(region)))
     for k in range(len(region) - 2, -1, -1):
@@ -293,12 +293,12 @@ def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None
                 yield act, first, end, "recomputed", act.nbytes
 
 
-def _remade_pieces(problem: Problem, region: list[int], made: Mapping[int, int], index: Mapping[str, int]):
+def _remade_pieces(problem: Problem, region: list[int], made: Mapping[int, int]):
     """The :func:`_pieces` of regions that remake their inputs (:func:`remakes`): each input it saves, alive
     from its recomputation to its earliest saver's backward in it, and the remaking's own tensors while
     it runs, when the region's recomputation starts (at the backward of its last op that saves)."""
     remade = remade_ops(problem, region, made)
-    owned = _static(problem).owned
+    index, owned = _static(problem).index, _static(problem).owned
     for later, earlier in made.items():
         members = [k for k, r in enumerate(region) if r == later]
         end = members[-1]

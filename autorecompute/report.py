@@ -209,15 +209,18 @@ def plan_to_html(plan: "Plan") -> str:
     return "\n".join(parts)
 
 
+SAVE_FORMATS = (".dot", ".svg", ".json", ".html", ".png")    # what :func:`save_plan` writes, by suffix
+
+
 def save_plan(plan: "Plan", path: str) -> str:
-    """Writes ``plan`` in the format its suffix names (.dot, .svg, .json, .html, .png)."""
+    """Writes ``plan`` in the format its suffix names (:data:`SAVE_FORMATS`)."""
     suffix = Path(path).suffix.lower()
     writers = {".dot": plan.to_dot, ".json": plan.to_json, ".svg": lambda: render_svg(plan.to_dot()),
                ".html": lambda: plan_to_html(plan)}
+    if suffix not in SAVE_FORMATS:
+        raise ValueError(f"cannot save a plan as {suffix!r}: use {', '.join(SAVE_FORMATS[:-1])} or {SAVE_FORMATS[-1]}")
     if suffix == ".png":
         plot_memory(plan, path)
         return path
-    if suffix not in writers:
-        raise ValueError(f"cannot save a plan as {suffix!r}: use .dot, .svg, .json, .html or .png")
     Path(path).write_text(writers[suffix]())
     return path

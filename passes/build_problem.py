@@ -171,7 +171,7 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
         activations=tuple(activations), fixed=tuple([0] * num_positions), num_forward=num_forward,
         backward_op=backward_op, bytes_at_rest=dict(profile.resident), region_cost=device.seconds_to_cost(device.region_seconds),
         stash_options=options, saves=saves,
-        unremakeable=frozenset(op for op in chain if is_random(nodes[op]) or _unreplayable(nodes[op])),
+        unremakeable=frozenset(op for op in chain if is_random(nodes[op]) or unreplayable(nodes[op])),
         repeats=repeated_ops([nodes[op] for op in chain], recomputable))
     return calibrate(problem, measured)
 
@@ -361,7 +361,7 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
         source = activations.get(storage)
         if chain is False or source is None or arg.name != storage or arg.name not in recomputable:
             return False
-        if is_random(arg) or _unreplayable(arg) or not _whole_tensor(arg, source.nbytes):
+        if is_random(arg) or unreplayable(arg) or not _whole_tensor(arg, source.nbytes):
             return False
         if not source.savers or source.save_end < source.hold_start:
             return False
@@ -378,7 +378,7 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
             continue
         info = node_info(n) if n.op == "call_function" else None
         # made again: a plannable op with one output (an op's internal saves, a dropout mask, are temporaries)
-        if info is None or n.name not in recomputable or (n is not node and is_random(n)) or _unreplayable(n):
+        if info is None or n.name not in recomputable or (n is not node and is_random(n)) or unreplayable(n):
             return None
         if any(".saved" not in c for c in info.creates[1:]) or len(recipe) == MAX_RECIPE_OPS:
             return None
@@ -433,7 +433,7 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
                        delivers=tuple(delivers), transient_bytes=transient)
 
 
-def _unreplayable(node: torch.fx.Node) -> bool:
+def unreplayable(node: torch.fx.Node) -> bool:
     """An op a recipe cannot run again: it would update state a second time (BatchNorm is replayed without)."""
     return updates_state(node) and node.target not in REPLAYABLE
 

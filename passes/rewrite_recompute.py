@@ -164,9 +164,8 @@ def _outline(gm: torch.fx.GraphModule, region: list[torch.fx.Node], name: str,
     else:
         needed = _needed(before, [inputs[i] for i in remade])
         # made again without its own RNG state or a second state update, they would differ from forward's
-        from autorecompute.passes.build_problem import REPLAYABLE, updates_state
-        unrepeatable = [node.name for node in needed
-                        if _is_random(node) or (updates_state(node) and node.target not in REPLAYABLE)]
+        from autorecompute.passes.build_problem import unreplayable
+        unrepeatable = [node.name for node in needed if _is_random(node) or unreplayable(node)]
         if unrepeatable:
             raise ValueError(f"{name} ({region[0].name} ...) makes its inputs again from the region before it, "
                              f"which runs {unrepeatable}: random or state-updating ops cannot run a third time "

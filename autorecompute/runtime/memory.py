@@ -17,7 +17,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autorecompute.runtime.workspaces import DISTINCT_OUTPUTS, real_output_bytes, warm_up_blas, workspace_bytes
+from autorecompute.runtime.workspaces import (DISTINCT_OUTPUTS, SIZED_BY_RUNNING, real_output_bytes, warm_up_blas,
+                                              workspace_bytes)
 
 
 def _storages(values: Iterable[Any]):
@@ -79,7 +80,8 @@ class LiveStorageTracker(TorchDispatchMode):
         seen = {t.untyped_storage()._cdata for t in inputs}
         outputs = list(_op_tensors(out))
         # an output a fake kernel makes smaller than the real one (an RNN's reserve for backward): its real size
-        real = real_output_bytes(func, args, kwargs) if outputs and is_fake(outputs[0]) else None
+        real = real_output_bytes(func, args, kwargs) \
+            if func in SIZED_BY_RUNNING and outputs and is_fake(outputs[0]) else None
         made = set()
         for i, tensor in enumerate(outputs):
             storage = tensor.untyped_storage()

@@ -171,15 +171,20 @@ class _Stash:
 
     def discard(self) -> None:
         """Its step failed in forward: the stored copy (a file) goes, and nothing can be restored."""
+        self._release_stored()
+        self.flat, self.restored, self.recipe = None, None, None
+
+    def _release_stored(self) -> None:
+        """The stored copy goes (its file too), once any write still filling it has ended."""
         if self.out is not None:
             try:
                 self.out.wait()    # never delete a file a write is still filling
-            except Exception:      # noqa: BLE001 — the failure being raised already says it
+            except Exception:      # noqa: BLE001 — raised in the forward already; a finalizer must not raise
                 pass
             self.out = None
         if self.tier is not None and self.started and self.stored is not None:
             self.tier.release(self.stored)
-        self.stored, self.started, self.flat, self.restored, self.recipe = None, False, None, None, None
+        self.stored, self.started = None, False
 
     def drop_ref(self) -> None:
         """A saved reference died (its op's backward is done): the last one frees everything."""
@@ -188,15 +193,7 @@ class _Stash:
             self.restored = None
             if self.flat is None and not any(d is not None and d.refs and d.restored is None for d in self.delivered):
                 self.recipe = None     # released: its inputs may go when autograd lets them
-            if self.out is not None:
-                try:
-                    self.out.wait()    # never delete a file a write is still filling
-                except Exception:      # noqa: BLE001 — raised in the forward already; a finalizer must not raise
-                    pass
-                self.out = None
-            if self.tier is not None and self.started and self.stored is not None:
-                self.tier.release(self.stored)
-            self.stored, self.started = None, False
+            self._release_stored()
 
 
 class _SavedRef:
