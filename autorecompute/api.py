@@ -96,6 +96,21 @@ def gradient_state(model: torch.nn.Module) -> str:
     return f" with gradients of {len(grads)} parameters ({format_bytes(tensor_bytes(grads))})"
 
 
+def frozen_state(model: torch.nn.Module) -> str:
+    """Parameters that do not require grad (fine-tuning part of a model), for a plan's signature: ``""`` when
+    every parameter trains, else " with 3 of 8 parameters frozen" (their gradients are neither made nor held).
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        >>> _ = m[0].requires_grad_(False)
+        >>> frozen_state(m)
+        ' with 2 of 4 parameters frozen'
+    """
+    params = list(model.parameters())
+    frozen = sum(not p.requires_grad for p in params)
+    return f" with {frozen} of {len(params)} parameters frozen" if frozen else ""
+
+
 def mode_state(model: torch.nn.Module) -> str:
     """The modes a step runs in, for a plan's signature: ``""`` in training mode throughout, else
     " in eval mode" or " with 2 submodules in eval mode" (a frozen BatchNorm, dropout turned off).
@@ -114,15 +129,58 @@ def mode_state(model: torch.nn.Module) -> str:
 
 
 def model_state(model: torch.nn.Module) -> int:
-    """What a captured graph fixes about the model beyond its inputs and tensors, hashed: each submodule's
-    mode and forward hooks (traced into the graph), the names of its parameters and buffers and which
-    require grad. A change to any of them (``module.eval()``, a hook added, a parameter frozen) makes the
-    next step use (or make) the plan of that state instead of running a graph that no longer matches."""
+    """What a captured graph fixes about the model beyond its inputs, hashed, in one walk of its modules:
+    each submodule's mode and forward hooks (traced into the graph), each parameter and buffer — name,
+    object, dtype — and which parameters require grad, and the gradients that exist. A change to any of them
+    (``module.eval()``, a hook added, a parameter frozen or replaced, ``model.half()``, a first micro-batch's
+    gradients) makes the next step use (or make) the plan of that state instead of running a graph that no
+    longer matches.
+
+    Checked on every training call, so it is one loop over the modules' own dicts (a 55-module GPT: 40 µs,
+    where ``named_modules()``/``named_parameters()`` walks took 0.45 ms).
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout())
+        >>> before = model_state(m)
+        >>> _ = m[1].eval()
+        >>> model_state(m) == before
+        False
+    """
     # (not the global hooks: instruments such as FlopCounterMode's module tracker register them around a step)
-    return hash((tuple((module.training, tuple(module._forward_hooks), tuple(module._forward_pre_hooks))
-                       for module in model.modules()),
-                 tuple((name, t.requires_grad) for name, t in model.named_parameters(remove_duplicate=False)),
-                 tuple(name for name, _ in model.named_buffers(remove_duplicate=False))))
+    state: list = []
+    add = state.append
+    grads = []
+    stack, seen = [model], set()
+    while stack:
+        module = stack.pop()
+        if module is None or id(module) in seen:   # a child set to None; a module shared under two names
+            add(None if module is None else id(module))
+            continue
+        seen.add(id(module))
+        add(module.training)
+        if module._forward_hooks or module._forward_pre_hooks:
+            add(tuple(module._forward_hooks))
+            add(tuple(module._forward_pre_hooks))
+        for name, tensor in module._parameters.items():
+            add(name)
+            if tensor is not None:      # ids: a replaced Parameter is another state (the graph reads the old one)
+                add(id(tensor))
+                add(tensor.dtype)
+                add(tensor.requires_grad)
+                if tensor.grad is not None:
+                    grads.append(tensor.grad)
+        for name, tensor in module._buffers.items():
+            add(name)
+            if tensor is not None:
+                add(id(tensor))
+                add(tensor.dtype)
+        add(len(module._modules))
+        for name, child in module._modules.items():
+            add(name)
+            stack.append(child)
+    if grads:       # gradient accumulation: the later micro-batches start with these resident
+        add((len(grads), tensor_bytes(grads)))
+    return hash(tuple(state))
 
 
 def _reads_replaced_tensors(planned: Planned, model: torch.nn.Module) -> bool:
@@ -204,8 +262,16 @@ class CompiledModule(torch.nn.Module):
 
     @property
     def plans(self) -> dict[str, Plan]:
-        """Every plan made so far, by input signature."""
-        return {planned.plan.signature: planned.plan for planned in self._plans.values()}
+        """Every plan made so far, by input signature; a signature planned again for another model state
+        the signature does not show (a forward hook added) is listed again with " #2", " #3"..."""
+        out: dict[str, Plan] = {}
+        for planned in self._plans.values():
+            key, n = planned.plan.signature, 1
+            while key in out:
+                n += 1
+                key = f"{planned.plan.signature} #{n}"
+            out[key] = planned.plan
+        return out
 
     def train(self, mode: bool = True) -> "CompiledModule":
         self._model.train(mode)
@@ -232,19 +298,20 @@ class CompiledModule(torch.nn.Module):
         return self._planned(args, kwargs).plan
 
     def _planned(self, args: tuple, kwargs: dict) -> Planned:
-        # every call: the signature computed once, the key made from it; the gradients that exist make a
-        # state of their own (gradient accumulation: the first micro-batch makes them, the later ones start
-        # with them resident)
-        signature = input_signature(args, kwargs) + gradient_state(self._model) + mode_state(self._model)
-        key = _cache_key(signature, args, kwargs, model_state(self._model))
+        # every call: the key from the inputs and the model's state (one walk; the gradients that exist make a
+        # state of their own: with gradient accumulation the later micro-batches start with them resident);
+        # the readable signature only when planning
+        inputs = input_signature(args, kwargs)
+        key = _cache_key(inputs, args, kwargs, model_state(self._model))
         planned = self._plans.get(key)
-        replaced = planned is not None and _reads_replaced_tensors(planned, self._model)
-        new = planned is None or replaced or self._device_grew(planned, args, kwargs)
+        new = planned is None or self._device_grew(planned, args, kwargs)
         if new:
-            if replaced:
-                # every plan made before reads the replaced tensors too: dropped, so they are not kept alive
-                for stale in [k for k, p in self._plans.items() if _reads_replaced_tensors(p, self._model)]:
-                    del self._plans[stale]
+            # a Parameter or buffer replaced (the state holds their ids): the plans made before read the old
+            # objects; dropped, so they do not keep them alive
+            for stale in [k for k, p in self._plans.items() if _reads_replaced_tensors(p, self._model)]:
+                del self._plans[stale]
+            model = self._model
+            signature = inputs + gradient_state(model) + frozen_state(model) + mode_state(model)
             log.info("planning %s for %s", type(self._model).__name__, signature)
             with torch.random.fork_rng(devices=[]):   # planning must not move the user's RNG stream
                 planned = make_plan(self._model, args, kwargs, self._budget, self._options, signature)
@@ -373,5 +440,6 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
     _warn_if_checkpointing_itself(model, parse_budget(budget))
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
     planned: Planned = make_plan(model, args, kwargs, budget, options,
-                                 input_signature(args, kwargs) + gradient_state(model) + mode_state(model))
+                                 input_signature(args, kwargs) + gradient_state(model) + frozen_state(model)
+                                 + mode_state(model))
     return planned.plan

@@ -66,7 +66,7 @@ def recompute_cost(node: torch.fx.Node, written: int, device: TransferModel) -> 
     memory-bound speed, the random numbers it draws (a random op: one per element of its result) and one
     call."""
     seconds = device.op_seconds + written / device.memory_bytes_per_second
-    if is_random(node):
+    if is_random(node) and written:     # (dropout with p=0, or in eval mode, returns its input: no numbers drawn)
         # one number per element of the result, not per byte written: dropout also writes its mask, and
         # pricing that as random too doubled its cost (measured: dropout over 256 KiB ~0.8 ms, its mask and
         # output 512 KiB)

@@ -8,6 +8,7 @@ import torch
 
 import autorecompute
 import models
+from autorecompute.api import model_state
 from autorecompute.plan import Plan
 from conftest import SOLVER_TIME
 from harness import measured_step
@@ -111,6 +112,42 @@ def test_a_changed_model_is_planned_again_not_run_on_a_stale_graph():
         _step(compiled, x)
     assert compiled.plan is not replaced
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+    # both plans listed: the hook changed nothing the signature shows
+    assert list(compiled.plans) == [replaced.signature, replaced.signature + " #2"]
+
+    for m in (eager, model):
+        m.zero_grad(set_to_none=True)
+        m.body[0].requires_grad_(False)
+    _step(eager, x)
+    _step(compiled, x)
+    assert " with 2 of " in compiled.plan.signature and "parameters frozen" in compiled.plan.signature
+    assert model.body[0][0].weight.grad is None
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters())
+               if a.requires_grad)
+
+
+def test_model_state_sees_every_change_a_captured_graph_depends_on():
+    """The per-call state: each change a stale graph would get wrong gives another state, including a
+    Parameter written into ``_parameters`` directly (as accelerate's ``set_module_tensor_to_device`` does),
+    a dtype changed in place (``half()`` keeps the Parameter objects) and gradients made by a first
+    micro-batch; the same model unchanged gives the same state."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Sequential(torch.nn.Linear(4, 2)))
+    changes = [
+        lambda: model[1].eval(),
+        lambda: model[0].weight.requires_grad_(False),
+        lambda: model[2][0]._parameters.__setitem__("bias", torch.nn.Parameter(torch.zeros(2))),
+        lambda: model[1].register_buffer("running_mean", torch.zeros(4)),
+        lambda: model[2].register_forward_pre_hook(lambda module, inputs: None),
+        lambda: model[2].append(torch.nn.ReLU()),
+        lambda: setattr(model[2][0].weight, "grad", torch.zeros(2, 4)),
+        lambda: model[0].half(),
+    ]
+    seen = {model_state(model)}
+    for change in changes:
+        assert model_state(model) in seen       # unchanged: the same state
+        change()
+        assert model_state(model) not in seen
+        seen.add(model_state(model))
 
 
 def test_plans_are_cached_per_input_signature():

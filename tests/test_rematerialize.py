@@ -344,3 +344,28 @@ def test_a_random_op_is_priced_by_the_numbers_it_draws():
     assert written == 2 * result                     # the mask and the output
     # one FLOP-equivalent per ns: written bytes at 1 GB/s, the result's numbers at 0.1 GB/s, plus the "1 +"
     assert problem.cost[dropout.name] == 1 + written + 10 * result
+
+
+def test_a_dropout_that_returns_its_input_draws_nothing():
+    """Dropout with p=0 (HF Llama's attention_dropout default) returns its input: running it again costs a
+    call, not a draw of random numbers for its result's bytes (priced so, it cost 0.76 ms in Llama's time
+    model against 1.3 µs measured, and the least-time plan at √N's peak avoided recomputing attention)."""
+    from autorecompute.transfer import TransferModel
+
+    class ZeroDropout(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.b(nn.functional.dropout(self.a(x), p=0.0, training=True))
+
+    x = torch.randn(32, 64)
+    gm = capture(ZeroDropout(), (x,), {})
+    profile_step(gm, (x,), {})
+    speeds = TransferModel(flops_per_second=1e9, write_bytes_per_second=1e9, read_bytes_per_second=1e9,
+                           per_transfer_seconds=0.0, memory_bytes_per_second=1e9, random_bytes_per_second=1e8,
+                           op_seconds=1e-6, region_seconds=0.0, stash_seconds=0.0)
+    problem = build_problem(gm, device=speeds)
+    dropout = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.dropout.default)
+    assert problem.cost[dropout.name] == 1 + 1000       # "1 +" and one call at 1 µs: nothing written or drawn
