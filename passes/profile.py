@@ -122,6 +122,12 @@ def module_path(node: torch.fx.Node) -> str:
 class _Profiler(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, tracker: LiveStorageTracker, static_keys: set[int]):
         super().__init__(gm, garbage_collect_values=True)
+        # a value nothing reads (``copy_``'s result: a view of the tensor it wrote into) goes at once, as in the
+        # GraphModule's own code; the Interpreter frees values at their last use only, so it kept such a view,
+        # and the storage under it, to the end of the step (an in-place add on a slice: +1 activation a layer)
+        for node in self.graph.nodes:
+            if not node.users and node.op != "output":
+                self.user_to_last_uses.setdefault(node, []).append(node)
         self.tracker = tracker
         self.static_keys = static_keys
         self.owner_of_key: dict[int, str] = {}      # live storage → tensor name
