@@ -35,6 +35,8 @@ def is_recomputable(node: torch.fx.Node, output_tensors: set[str]) -> bool:
     info = node_info(node)
     if is_mutating(node) or node.target is operator.getitem:
         return False
+    if unreplayable(node):     # a region's recomputation would update its state again (InstanceNorm's statistics)
+        return False
     if any(name in output_tensors for name in info.creates):
         return False
     if not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
@@ -56,7 +58,12 @@ REPLAYABLE = {BATCH_NORM}
 def updates_state(node: torch.fx.Node) -> bool:
     """Whether running ``node`` again would update state (BatchNorm's running statistics, a write alias)."""
     if node.target in _UPDATES_STATE:
-        return True
+        # (input, weight, bias, running_mean, running_var, training / use_input_stats, ...): only with running
+        # statistics, and in training mode
+        arguments = node.target._schema.arguments
+        bound = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+                 for i, a in enumerate(arguments)}
+        return bound["running_mean"] is not None and bool(bound[arguments[5].name])
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 

@@ -73,6 +73,30 @@ def test_batchnorm_running_stats_updated_exactly_once():
     assert all(result.buffers[n].item() == 1 for n in result.buffers if n.endswith("num_batches_tracked"))
 
 
+def test_instance_norm_with_running_statistics_is_kept_not_run_twice():
+    """InstanceNorm with ``track_running_stats`` updates its statistics from inside a composite (no schema says
+    so): it is not recomputed — running it again updated them twice and failed autograd's version check while
+    planning — and the rest of the net may be; buffers and gradients equal eager's at the minimum budget."""
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.InstanceNorm2d(16, affine=True, track_running_stats=True),
+            torch.nn.ReLU(), torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 16, 3, padding=1))
+
+    x = torch.randn(8, 3, 32, 32)
+    eager_model, model = net(), net()
+    eager = measured_step(eager_model, eager_model, (x,), {})
+    case = models.Case("instance_norm", model, (x,), {})
+    compiled = autorecompute.compile(model, budget=minimum_budget(model, case, RECOMPUTE_ONLY),
+                                     solver_time_limit=SOLVER_TIME, actions=RECOMPUTE_ONLY)
+    result = measured_step(compiled, model, (x,), {})
+    assert compiled.plan.decisions.get("instance_norm", "keep") == "keep"
+    assert result.peak <= compiled.plan.budget < eager.peak        # the conv before it is made again
+    assert_bitwise_equal(eager, result)
+    for name, buffer in eager.buffers.items():
+        assert torch.equal(buffer, result.buffers[name]), name
+
+
 def test_dropout_masks_are_replayed():
     case = models.make("gpt")
     model = case.model
