@@ -26,8 +26,20 @@ if os.environ.get("AUTORECOMPUTE_LOG"):
 def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         grad = ",grad" if value.requires_grad else ""
-        return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}@{value.device}{grad}"
+        return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}{_layout(value)}@{value.device}{grad}"
     return repr(value)
+
+
+def _layout(value: torch.Tensor) -> str:
+    """"" for a contiguous tensor, else its layout (another layout runs other kernels, with other sizes of
+    temporaries): " channels_last" or its strides."""
+    if value.is_contiguous() or value.layout != torch.strided:
+        return ""
+    if value.dim() == 4 and value.is_contiguous(memory_format=torch.channels_last):
+        return " channels_last"
+    if value.dim() == 5 and value.is_contiguous(memory_format=torch.channels_last_3d):
+        return " channels_last_3d"
+    return f" strides{list(value.stride())}"
 
 
 # device types whose enclosing torch.autocast changes the step a plan was made for (checked every call: the

@@ -369,3 +369,27 @@ def test_a_dropout_that_returns_its_input_draws_nothing():
     problem = build_problem(gm, device=speeds)
     dropout = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.dropout.default)
     assert problem.cost[dropout.name] == 1 + 1000       # "1 +" and one call at 1 µs: nothing written or drawn
+
+
+def test_a_channels_last_activation_is_rematerialized_in_its_layout():
+    """A channels-last conv net: GroupNorm's output is not contiguous, yet dense; rematerialized, the same op
+    makes it again in the same layout, and the saved views are rebuilt over it (it had been kept instead,
+    so the step measured one activation over its budget while the plan said rematerialized). A
+    channels-last input is another signature than a contiguous one of the same shape."""
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
+                             nn.Conv2d(16, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+                             nn.Conv2d(16, 32, 3, padding=1, stride=2), nn.GroupNorm(4, 32), nn.ReLU(),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).to(memory_format=torch.channels_last)
+
+    x = torch.randn(8, 3, 32, 32).to(memory_format=torch.channels_last)
+    eager_model, model = net(), net()
+    eager = measured_step(eager_model, eager_model, (x,), {})
+    compiled = autorecompute.compile(model, budget=0.6, actions=("recompute", "offload"), solver_time_limit=2.0)
+    result = measured_step(compiled, model, (x,), {}, seed=0)
+    plan = compiled.plan
+    assert "channels_last" in plan.signature
+    assert any(record.action == "rematerialize" for record in plan.stash.values())
+    assert result.peak <= plan.budget
+    assert_bitwise_equal(eager, result)

@@ -42,6 +42,20 @@ def _is_simulated(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, FakeTensor) or tensor.device.type == "meta"
 
 
+def _fills_its_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements are exactly its storage, in some order of dimensions (contiguous,
+    channels-last): its storage is then ``as_strided(tensor, (numel,), (1,), 0)``."""
+    if tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        return False
+    expected = 1        # dense: by increasing stride, each dimension steps over all the ones before it
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda pair: pair[1]):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True
+
+
 class _Stash:
     """One stashed storage: its stored copy, and the restored tensor while backward needs it."""
 
@@ -60,6 +74,7 @@ class _Stash:
         # the whole storage as one flat tensor: saved views of it are rebuilt over the restored copy
         self.flat: torch.Tensor | None = torch.as_strided(tensor.detach(), (self.numel,), (1,), 0)
         self.shape = tuple(tensor.shape) if tensor.numel() == self.numel and tensor.is_contiguous() else None
+        self.stride = tuple(tensor.stride())   # a recipe's result must have it to stand for the storage
         self.stored = None            # tier handle (offload) or encoded tensors (compress)
         self.out: Transfer | None = None
         self.restored: torch.Tensor | None = None
@@ -159,11 +174,14 @@ class _Stash:
         for stash, made in zip((self, *self.delivered), outs):
             if stash is None or stash.refs == 0 or stash.restored is not None:
                 continue           # nothing saved it, or its backward is done
-            if made.dtype != stash.dtype or made.numel() != stash.numel or not made.is_contiguous():
+            if made.dtype != stash.dtype or not _fills_its_storage(made) or made.numel() != stash.numel \
+                    or tuple(made.stride()) != stash.stride:
                 raise RuntimeError(f"autorecompute: rematerializing {stash.name!r} gave {made.dtype}"
-                                   f"{tuple(made.shape)}, forward made {stash.dtype} with {stash.numel} elements "
+                                   f"{tuple(made.shape)} with strides {tuple(made.stride())}, forward made "
+                                   f"{stash.dtype} with {stash.numel} elements and strides {stash.stride} "
                                    "(a bug: please report it)")
-            stash.restored = made.reshape(-1)
+            # its storage in memory order (channels-last too): the saved views are rebuilt over it
+            stash.restored = torch.as_strided(made, (made.numel(),), (1,), 0)
 
     def _as(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A saved view may have another dtype than the stash (``view_as_real``): its sizes count those."""
@@ -460,8 +478,9 @@ def stash_rematerialize(runtime: StashRuntime, tensor: torch.Tensor, name: str, 
     ``unchecked``: positions in ``args`` whose in-place changes do not matter to the recipe (BatchNorm's
     running statistics: in training mode its output depends on the batch alone, and a second forward
     before backward updates them again)."""
-    # planned for a contiguous layout (a channels-last input now?): kept rather than restored wrongly
-    keep = isinstance(tensor, torch.Tensor) and not tensor.is_contiguous()
+    # a view into a larger storage (the recipe would make only the view): kept rather than restored wrongly;
+    # a dense tensor in any layout (channels-last) is made again in the same layout by the same op
+    keep = isinstance(tensor, torch.Tensor) and not _fills_its_storage(tensor)
     if keep and not delivers:
         return _register(runtime, tensor, name, "rematerialize", skip=True)
     device_type = tensor.device.type if isinstance(tensor, torch.Tensor) else "cpu"
