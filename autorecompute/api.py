@@ -5,16 +5,19 @@ import copy
 import logging
 import os
 import warnings
+import weakref
+from functools import partial
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from autorecompute.budget import format_bytes, parse_budget
-from autorecompute.errors import ReplanningWarning
+from autorecompute.errors import PartialBackwardWarning, ReplanningWarning
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
-from autorecompute.runtime.memory import ALLOCATOR_SLACK, device_bytes_outside, step_state, tensor_bytes
+from autorecompute.runtime.memory import (ALLOCATOR_SLACK, device_bytes_outside, output_tensors_for_backward,
+                                          step_state, tensor_bytes)
 from autorecompute.transfer import TransferModel
 
 log = logging.getLogger("autorecompute")
@@ -230,6 +233,8 @@ class CompiledModule(torch.nn.Module):
         self.__dict__["_options"] = options
         self.__dict__["_plans"] = {}
         self.__dict__["_last"] = None
+        self.__dict__["_watched"] = set()      # ids of the plans whose first step's backward was watched
+        self.__dict__["_watch"] = None         # that step's verdict, filled at the end of its backward
         self.training = model.training
 
     def __deepcopy__(self, memo: dict) -> "CompiledModule":
@@ -252,8 +257,9 @@ class CompiledModule(torch.nn.Module):
         # modules, offload tiers), made again — the same plans, the planner is deterministic — on the first
         # training call after loading. nn.Module's own state first (it drops what Module.compile() bound)
         state = super().__getstate__()
+        state.update(_watch=None)
         if not keep_plans:
-            state.update(_plans={}, _last=None)
+            state.update(_plans={}, _last=None, _watched=set())
         return state
 
     @property
@@ -356,7 +362,51 @@ class CompiledModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if not self._wants_plan(args, kwargs):
             return self._model(*args, **kwargs)
-        return self._planned(args, kwargs).module(*args, **kwargs)
+        self._check_last_backward()
+        planned = self._planned(args, kwargs)
+        outputs = planned.module(*args, **kwargs)
+        if id(planned) not in self._watched:
+            self._watched.add(id(planned))
+            self._watch_backward(outputs)
+        return outputs
+
+    def _watch_backward(self, outputs) -> None:
+        """The first step of each plan: whether its backward leaves out an output the plan gave a gradient
+        while that output (and the activations only it needs) is still alive."""
+        tensors = output_tensors_for_backward(outputs)
+        if len(tensors) < 2:
+            return
+        refs = [weakref.ref(t) for t in tensors]
+        reached = [False] * len(tensors)
+        verdict: dict[str, int] = {}
+
+        def at_end_of_backward():
+            alive = sum(1 for r, done in zip(refs, reached) if not done and r() is not None)
+            if alive:
+                verdict.update(reached=sum(reached), total=len(reached))
+
+        def mark(grad, i):
+            if not any(reached):
+                torch.autograd.Variable._execution_engine.queue_callback(at_end_of_backward)
+            reached[i] = True
+
+        for i, tensor in enumerate(tensors):
+            tensor.register_hook(partial(mark, i=i))
+        self.__dict__["_watch"] = verdict
+
+    def _check_last_backward(self) -> None:
+        verdict = self.__dict__.get("_watch")
+        if verdict is None:
+            return
+        self.__dict__["_watch"] = None
+        if verdict:
+            warnings.warn(
+                f"autorecompute: the last step ran backward from {verdict['reached']} of the {verdict['total']} outputs "
+                "its plan gives gradients (as a loss over every differentiable output would) while the others were "
+                "alive: the activations only they need stayed on the device through that backward, which the plan "
+                "did not count, so the budget may not hold. Fix: detach the outputs no loss uses (return "
+                "out.detach(), or compute metrics under torch.no_grad()), or put every output into the loss.",
+                PartialBackwardWarning, stacklevel=_user_stacklevel())
 
 
 def _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective) -> PlannerOptions:

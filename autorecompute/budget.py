@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 _UNITS = {
@@ -39,6 +40,10 @@ def parse_budget(budget: int | float | str) -> int | float:
     """
     if isinstance(budget, bool):
         raise ValueError(f"budget {budget!r} is a bool; {ACCEPTED_FORMS}")
+    if isinstance(budget, numbers.Integral) and not isinstance(budget, int):     # numpy.int64, a 0-d array's item
+        budget = int(budget)
+    elif isinstance(budget, numbers.Real) and not isinstance(budget, (int, float)):     # numpy.float32
+        budget = float(budget)
     if isinstance(budget, int):
         if budget <= 0:
             raise ValueError(f"budget {budget!r} must be > 0; {ACCEPTED_FORMS}")
@@ -53,14 +58,16 @@ def parse_budget(budget: int | float | str) -> int | float:
         if not match or unit is None:
             raise ValueError(f"budget {budget!r} is not understood; {ACCEPTED_FORMS}")
         number = float(match.group(1))
-        if not match.group(2) and not number.is_integer():
+        if not math.isfinite(number):
+            raise ValueError(f"budget {budget!r} is too large to be a number of bytes; {ACCEPTED_FORMS}")
+        if not match.group(2) and "." in match.group(1):
             # a unitless decimal (from a command line or a config file): a fraction, as the float would be
             if 0.0 < number <= 1.0:
                 return number
             raise ValueError(f"budget {budget!r} is a decimal without a unit: a fraction of the unoptimized peak "
                              f"must be in (0, 1], bytes a whole number or a size with a unit; {ACCEPTED_FORMS}")
-        if not match.group(2) and "." in match.group(1) and number == 1.0:
-            return 1.0         # "1.0": the whole unoptimized peak, as 1.0 is
+        if unit == 1 and not number.is_integer():
+            raise ValueError(f"budget {budget!r} is not a whole number of bytes; {ACCEPTED_FORMS}")
         nbytes = int(number * unit)
         if nbytes <= 0:
             raise ValueError(f"budget {budget!r} must be > 0 bytes; {ACCEPTED_FORMS}")

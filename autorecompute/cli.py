@@ -94,6 +94,8 @@ def plan_command(args: argparse.Namespace) -> int:
         return fail(f"expected MODULE:FACTORY, got {args.factory!r}")
     if args.out and Path(args.out).suffix.lower() not in SAVE_FORMATS:     # before minutes of planning
         return fail(f"--out {args.out!r}: a plan is saved as {', '.join(SAVE_FORMATS)}")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        return fail(f"--out {args.out!r}: the directory {str(Path(args.out).resolve().parent)!r} does not exist")
     sys.path.insert(0, ".")
     try:
         factory = getattr(importlib.import_module(module_name), factory_name)
@@ -103,7 +105,12 @@ def plan_command(args: argparse.Namespace) -> int:
         made = factory()
     except Exception as error:  # noqa: BLE001 — the user's code: say so, with its error
         return fail(f"{args.factory}() raised {type(error).__name__}: {error}")
+    if isinstance(made, tuple) and len(made) != 2:
+        return fail(f"{args.factory}() returned a tuple of {len(made)}; return a model, or (model, example inputs)")
     model, example = (made if isinstance(made, tuple) else (made, None))
+    if not isinstance(model, torch.nn.Module):
+        return fail(f"{args.factory}() returned {type(model).__name__} where a torch.nn.Module was expected; "
+                    "return a model, or (model, example inputs)")
     if args.input_shape:
         try:
             shape = [int(s) for s in args.input_shape.split(",")]

@@ -59,3 +59,8 @@ class OffloadError(AutorecomputeError, OSError):
 class ReplanningWarning(UserWarning):
     """A compiled module has planned many input signatures: inputs whose shapes change from step to step are
     captured and solved again each time (seconds), and each plan is kept."""
+
+
+class PartialBackwardWarning(UserWarning):
+    """A step ran backward from only some of the outputs its plan expects gradients for: the others' saved
+    activations stay on the device through that backward, which the plan did not count."""

@@ -11,7 +11,7 @@ bytes, module path, FLOPs).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from autorecompute.budget import format_bytes
@@ -208,11 +208,17 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"plan JSON must be an object (what Plan.to_json writes), got a {type(data).__name__}")
         version = data.pop("schema_version", None)
         if version not in (1, 2, 3, 4, 5, 6, SCHEMA_VERSION):
             raise ValueError(f"plan JSON has schema_version {version!r}; this autorecompute reads "
                              f"1 to {SCHEMA_VERSION}")
         known = {f.name for f in fields(cls)}
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.default is MISSING
+                         and f.default_factory is MISSING)
+        if missing:
+            raise ValueError(f"plan JSON lacks {missing}: not a file Plan.to_json / plan.save wrote")
         data = {k: v for k, v in data.items() if k in known}
         data["actions"] = tuple(data.get("actions", ()))
         data["nodes"] = {k: NodeRecord(**{**v, "shape": tuple(v["shape"])}) for k, v in data["nodes"].items()}

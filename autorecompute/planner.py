@@ -7,6 +7,7 @@ fallback. A returned plan therefore never predicts more than its budget.
 from __future__ import annotations
 
 import logging
+import numbers
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -73,9 +74,12 @@ class PlannerOptions:
         if isinstance(self.actions, str):
             raise ValueError(f"actions={self.actions!r} must be a tuple such as ('recompute', 'offload')")
         unknown = [a for a in self.actions if a not in SUPPORTED_ACTIONS]
-        if unknown or not self.actions:
+        if "keep" in self.actions or not self.actions:
+            raise ValueError(f"actions={self.actions!r}: list what may be done besides keeping a tensor (keeping "
+                             f"is always allowed, and not an action to name), among {SUPPORTED_ACTIONS}")
+        if unknown:
             raise ValueError(f"actions={self.actions!r}: unknown {unknown}; accepted actions are "
-                             f"{SUPPORTED_ACTIONS} ('keep' is always allowed)")
+                             f"{SUPPORTED_ACTIONS} (keeping a tensor is always allowed)")
         if self.compress_dtypes is not None:
             if isinstance(self.compress_dtypes, str):
                 raise ValueError(f"compress_dtypes={self.compress_dtypes!r} must be a tuple such as ('bfloat16',)")
@@ -93,6 +97,8 @@ class PlannerOptions:
             check_writable(self.offload_dir)
         if self.transfer is not None and not isinstance(self.transfer, TransferModel):
             raise ValueError(f"transfer={self.transfer!r} must be an autorecompute.transfer.TransferModel")
+        if isinstance(self.solver_time_limit, bool) or not isinstance(self.solver_time_limit, numbers.Real):
+            raise ValueError(f"solver_time_limit={self.solver_time_limit!r} must be a number of seconds > 0")
         if not self.solver_time_limit > 0:
             raise ValueError(f"solver_time_limit={self.solver_time_limit!r} must be > 0 seconds")
 

@@ -1,6 +1,6 @@
 """Benchmark suite: autorecompute against √N checkpointing, per-block checkpointing and eager.
 
-    python benchmarks/suite.py            # full suite (18 min on 2 cores; per phase in docs/benchmarks.md)
+    python benchmarks/suite.py            # full suite (about 20 min on 2 cores; per phase in docs/benchmarks.md)
     python benchmarks/suite.py --quick    # 3 models, fewer points (3 min)
     python benchmarks/suite.py --models gpt mlp --merge   # rerun some models, keep the others' rows
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import operator
 import os
 import sys
@@ -49,7 +50,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     _refuse_sparse_gradients(model)
     _warn_of_forward_hooks(model)
     try:
-        with _eager_mask_decisions(model, args, kwargs):
+        with _eager_mask_decisions(model, args, kwargs), _quiet_fake_tensor_log():
             exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except Exception as exc:  # export raises many types; all mean "cannot capture"
         raise CaptureError(_capture_failure(model, exc)) from exc
@@ -64,6 +65,19 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     return gm
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """FakeTensor logs the traceback of a failing op's meta kernel at ERROR level before raising it; the
+    CaptureError says what failed and where, once."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _capture_failure(model: torch.nn.Module, exc: Exception) -> str:
     """What a user needs from an export failure: the error's first line, where in their code it happened
     (the line torch names, else the innermost frame outside torch and autorecompute) and the fix."""
@@ -72,6 +86,8 @@ def _capture_failure(model: torch.nn.Module, exc: Exception) -> str:
     where = _failing_line(message, exc)
     fix = ("pass use_cache=False (or set config.use_cache = False): a key/value cache is for generation, not "
            "training" if "Cache" in message and "output" in message else
+           "first check that the model runs on these inputs without autorecompute (model(*inputs): a shape or "
+           "dtype that does not fit the model fails here too, with the op's own message above); if it does, "
            "make the failing construct traceable (data-dependent Python control flow on tensor values, .item(), "
            ".tolist(), or iterating a tensor are the usual causes), wrap it in a submodule you run outside "
            "autorecompute, or apply autorecompute.compile to a traceable submodule instead")

@@ -74,10 +74,15 @@ def test_plan_command_actions_and_bad_dtype(user_models, capsys):
     (["plan", "user_models_broken:broken", "--budget", "0.8"], "user_models_broken:broken() raised RuntimeError: boom"),
     (["plan", "user_models:make", "--budget", "0.8", "--input-shape", "512x256"], "expected comma-separated"),
     (["plan", "user_models:make", "--budget", "0.8", "--out", "plan.pdf"], "a plan is saved as"),
+    (["plan", "user_models:make", "--budget", "0.8", "--out", "no/such/dir/plan.json"], "does not exist"),
+    (["plan", "user_models_odd:three", "--budget", "0.8"], "returned a tuple of 3"),
+    (["plan", "user_models_odd:number", "--budget", "0.8"], "returned int where a torch.nn.Module was expected"),
 ])
 def test_plan_command_errors_are_one_line(user_models, capsys, argv, says):
     """Mistakes on the command line give one ``error:`` line and exit 2 (before any planning), no traceback."""
     (user_models / "user_models_broken.py").write_text("def broken():\n    raise RuntimeError('boom')\n")
+    (user_models / "user_models_odd.py").write_text(USER_MODELS + "def three():\n    return (*make(), 1)\n"
+                                                    "def number():\n    return 42\n")
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and says in err and "Traceback" not in err
@@ -93,3 +98,9 @@ def test_an_uncapturable_model_is_an_error_line_not_a_traceback(user_models, cap
     """))
     assert main(["plan", "user_models_branchy:branchy", "--budget", "0.8"]) == 1
     assert "could not capture Branchy" in capsys.readouterr().err
+
+
+def test_python_dash_m_autorecompute_runs_the_command_line():
+    result = subprocess.run([sys.executable, "-m", "autorecompute", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "demo" in result.stdout and "plan" in result.stdout

@@ -253,3 +253,25 @@ def test_parameter_gradients_leave_the_device_until_backward_ends(tmp_path):
     del compiled, plan
     gc.collect()
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_an_offload_directory_removed_between_steps(tmp_path):
+    """Our folder under offload_dir removed between steps (a temp-dir cleaner) is made again and the step
+    runs; offload_dir itself removed is an OffloadError that names the missing directory and the fix."""
+    import shutil
+
+    case = models.make("mlp")
+    root = tmp_path / "offload"
+    root.mkdir()
+    compiled = autorecompute.compile(case.model, budget=0.5, actions=("offload",), offload_dir=str(root),
+                                     solver_time_limit=SOLVER_TIME)
+    compiled(*case.args).sum().backward()
+    for folder in root.iterdir():
+        shutil.rmtree(folder)
+    case.model.zero_grad(set_to_none=True)
+    compiled(*case.args).sum().backward()
+    assert all(p.grad is not None for p in case.model.parameters())
+    shutil.rmtree(root)
+    case.model.zero_grad(set_to_none=True)
+    with pytest.raises(autorecompute.OffloadError, match="No such file or directory.*Fix: make the directory again"):
+        compiled(*case.args).sum().backward()

@@ -107,3 +107,10 @@ def test_an_offload_only_plan_reports_what_it_moves():
     assert sum(row["held_bytes"] for row in plan.table()) == sum(totals.values())
     assert any(row["action"].startswith("offload") for row in plan.table())
     assert "offload" in plan.summary().split("by action:")[1]
+
+
+@pytest.mark.parametrize("text, says", [("[1, 2]", "must be an object"),
+                                        (json.dumps({"schema_version": SCHEMA_VERSION, "decisions": {}}), "lacks")])
+def test_a_file_that_is_not_a_plan_is_refused_clearly(text, says):
+    with pytest.raises(ValueError, match=says):
+        Plan.from_json(text)

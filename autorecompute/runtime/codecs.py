@@ -8,8 +8,10 @@ too (no ``.item()``), so verification measures the same allocations as a real st
 dtype      stored as                scale                        expected error (per element)
 ========== ======================== ============================ =========================================
 bfloat16   bfloat16                 none                         relative ≤ 2⁻⁸ (0.39 %)
-float16    float16                  none (|x| ≤ 65504 assumed)   relative ≤ 2⁻¹¹ (0.05 %)
-float8     float8_e4m3fn            one per tensor (amax / 448)  relative ≤ 2⁻⁴ (6.25 %) above amax·2⁻¹⁵
+float16    float16                  none (|x| ≤ 65504 assumed)   relative ≤ 2⁻¹¹ (0.05 %) for |x| ≥ 2⁻¹⁴ (6.1e-5);
+                                                                 absolute ≤ 2⁻²⁵ (3e-8) below (subnormals)
+float8     float8_e4m3fn            one per tensor (amax / 448)  relative ≤ 2⁻⁴ (6.25 %) for |x| ≥ amax / 28672;
+                                                                 absolute ≤ amax / 458752 below
 int8       int8                     one per channel (amax / 127) absolute ≤ amax_channel / 254
 ========== ======================== ============================ =========================================
 
@@ -140,9 +142,11 @@ def _scaled_decode(stored: tuple[torch.Tensor, ...], original: torch.dtype) -> t
 
 CODECS: dict[str, Codec] = {
     "bfloat16": Codec("bfloat16", 2, "relative ≤ 2^-8 (0.39%) per element", *_cast(torch.bfloat16)),
-    "float16": Codec("float16", 2, "relative ≤ 2^-11 (0.05%) per element; |x| ≤ 65504", *_cast(torch.float16)),
-    "float8": Codec("float8", 1, "relative ≤ 2^-4 (6.25%) per element above amax·2^-15 (e4m3fn, "
-                    "per-tensor scale)", _float8_encode, _scaled_decode),
+    "float16": Codec("float16", 2, "relative ≤ 2^-11 (0.05%) per element for 6.1e-5 ≤ |x| ≤ 65504, absolute ≤ "
+                     "3e-8 below (subnormals: small values such as attention probabilities lose precision)",
+                     *_cast(torch.float16)),
+    "float8": Codec("float8", 1, "relative ≤ 2^-4 (6.25%) per element for |x| ≥ amax/28672, absolute ≤ "
+                    "amax/458752 below (e4m3fn, per-tensor scale)", _float8_encode, _scaled_decode),
     "int8": Codec("int8", 1, "absolute ≤ amax/254 per element (per-channel scale)", _int8_encode, _scaled_decode),
 }
 

@@ -90,6 +90,10 @@ class DiskTier:
 
         def write() -> None:
             try:
+                if not os.path.isdir(self.directory) and os.path.isdir(os.path.dirname(self.directory)):
+                    # our folder removed under us (a cleaner of the temporary directory; offload_dir deleted and
+                    # made again): made again; with offload_dir itself gone, the error below names it
+                    os.makedirs(self.directory, exist_ok=True)
                 with open(path, "wb") as f:
                     written = f.write(memoryview(box.pop().view(torch.uint8).numpy()))
                     f.flush()
@@ -97,11 +101,12 @@ class DiskTier:
                     raise OSError(f"wrote {written} of {nbytes} bytes")
             except OSError as error:
                 _unlink(path)
+                fix = ("make the directory again or pass offload_dir= an existing one"
+                       if isinstance(error, FileNotFoundError) else "free space there, pass offload_dir= another disk")
                 raise OffloadError(
                     f"offloading activation {name!r} ({format_bytes(nbytes)}) to {path} failed: "
-                    f"{error.strerror or error}. The step is stopped so no activation is lost. Fix: free "
-                    f"space there, pass offload_dir= another disk, or allow fewer offloads "
-                    f"(actions=('recompute',)).") from error
+                    f"{error.strerror or error}. The step is stopped so no activation is lost. Fix: {fix}, "
+                    f"or allow fewer offloads (actions=('recompute',)).") from error
 
         return path, Transfer(self._pool.submit(write), what=name)
 
@@ -117,8 +122,15 @@ class DiskTier:
         expected = target.numel() * target.element_size()
 
         def read() -> None:
-            with open(path, "rb") as f:
-                got = f.readinto(memoryview(box.pop().view(torch.uint8).numpy()))
+            try:
+                with open(path, "rb") as f:
+                    got = f.readinto(memoryview(box.pop().view(torch.uint8).numpy()))
+            except OSError as error:
+                raise OffloadError(
+                    f"reading offloaded activation {name!r} back from {path} failed: {error.strerror or error}. "
+                    "The backward cannot go on without it. Fix: do not remove or change offload_dir (or the "
+                    "system temporary directory) while a step runs, or plan without offload "
+                    "(actions=('recompute',)).") from error
             if got != expected:
                 raise OffloadError(f"reading offloaded activation {name!r} from {path}: got {got} bytes of "
                                    f"{expected} (was the file changed?)")
