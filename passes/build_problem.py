@@ -11,7 +11,7 @@ import operator
 import torch
 import torch.fx
 
-from autorecompute.passes.capture import is_mutating, written_in_place
+from autorecompute.passes.capture import is_mutating, read_before_written, written_in_place
 from autorecompute.passes.profile import META_KEY, NodeInfo, TensorInfo, module_path, node_info, step_profile
 from autorecompute.problem import GRADIENT, Activation, Problem, StashOption
 from autorecompute.runtime.codecs import codec
@@ -64,8 +64,24 @@ def updates_state(node: torch.fx.Node) -> bool:
         bound = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
                  for i, a in enumerate(arguments)}
         return bound["running_mean"] is not None and bool(bound[arguments[5].name])
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        return _subgraphs_mutate(node)
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def _subgraphs_mutate(node: torch.fx.Node) -> bool:
+    """Whether a higher-order op's subgraphs write a tensor in place (``wrap_with_set_grad_enabled`` around
+    spectral norm's power iteration, which updates its ``_u``/``_v`` buffers with ``out=``)."""
+    owner = node.graph.owning_module
+    for arg in node.args:
+        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and owner is not None:
+            sub = getattr(owner, arg.target, None)
+            if isinstance(sub, torch.fx.GraphModule) and any(
+                    is_mutating(n) or (isinstance(n.target, torch._ops.HigherOrderOperator) and _subgraphs_mutate(n))
+                    for n in sub.graph.nodes if n.op == "call_function"):
+                return True
+    return False
 
 
 def recompute_cost(node: torch.fx.Node, written: int, device: TransferModel) -> int:
@@ -105,6 +121,7 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
     outputs = {name for name, t in profile.tensors.items() if t.is_output}
     chain = tuple(op for op in profile.order if not is_transparent(nodes[op]))
     written = written_in_place(gm.graph)    # re-running their op would not re-run the writes
+    written |= read_before_written(gm.graph)    # re-run, they would read what the writes made
     recomputable = frozenset(op for op in chain if recompute and op not in written
                              and is_recomputable(nodes[op], outputs))
     num_forward = len(profile.order)

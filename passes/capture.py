@@ -50,10 +50,12 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     _refuse_sparse_gradients(model)
     _warn_of_forward_hooks(model)
     try:
-        with _eager_mask_decisions(model, args, kwargs), _quiet_fake_tensor_log():
+        with _eager_mask_decisions(model, args, kwargs), _quiet_fake_tensor_log(), \
+                _autograd_functions_applied() as functions:
             exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except Exception as exc:  # export raises many types; all mean "cannot capture"
         raise CaptureError(_capture_failure(model, exc)) from exc
+    _refuse_custom_backward(model, functions)
     gm = exported.module()
     _share_state_with(gm, model)
     _drop_guards_and_asserts(gm)
@@ -63,6 +65,37 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+@contextlib.contextmanager
+def _autograd_functions_applied() -> Iterator[set]:
+    """The ``torch.autograd.Function`` classes the traced forward applies."""
+    applied: set = set()
+    original = torch.autograd.Function.__dict__["apply"]     # a classmethod (a C descriptor in recent torch)
+
+    def apply(cls, *args, **kwargs):
+        applied.add(cls)
+        return original.__get__(None, cls)(*args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield applied
+    finally:
+        torch.autograd.Function.apply = original
+
+
+def _refuse_custom_backward(model: torch.nn.Module, functions: set) -> None:
+    """``torch.export`` traces a custom ``autograd.Function``'s forward into the graph and drops its backward:
+    the graph's gradients would be autograd's of the forward's ops (a straight-through estimator's would be
+    zero), not the Function's. Refused, with the way out (PyTorch's own Functions are not custom)."""
+    custom = sorted(f"{cls.__module__}.{cls.__qualname__}" for cls in functions
+                    if not cls.__module__.startswith("torch.") and cls.__module__ != "torch")
+    if custom:
+        raise CaptureError(
+            f"{type(model).__name__} applies the custom autograd.Function {', '.join(custom)}: torch.export traces "
+            "its forward and drops its backward, so a captured graph would compute other gradients than your "
+            "model. Fix: apply autorecompute.compile to the submodules that do not use it (the Function then runs "
+            "as itself, outside them), or write it as plain tensor ops if its backward is their derivative.")
 
 
 @contextlib.contextmanager
@@ -364,6 +397,29 @@ def written_in_place(graph: torch.fx.Graph) -> set[str]:
             if isinstance(base, torch.fx.Node) and base.op == "call_function":
                 written.add(base.name)
     return written
+
+
+def read_before_written(graph: torch.fx.Graph) -> set[str]:
+    """Ops that read a tensor (or a view of it) which a later op writes in place — an activation's slice
+    assigned (``a[:, :4] = tanh(a[:, :4])``), a buffer the forward updates (spectral norm's power iteration):
+    run again in backward, they would read the written values (and autograd's version check fails)."""
+    aliases: dict[torch.fx.Node, torch.fx.Node] = {}      # node → the allocating node (or input) it views
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    found: set[str] = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        base = aliases.get(node.args[0], node.args[0])
+        if _is_view(node) or is_mutating(node):       # (an in-place op returns its written input)
+            aliases[node] = base
+        if not is_mutating(node):
+            continue
+        views = {base, *(n for n, b in aliases.items() if b is base)}
+        for alias in views:
+            for reader in alias.users:
+                if reader is not node and order[reader] < order[node] and reader.op == "call_function":
+                    found.add(reader.name)
+    return found
 
 
 def _fills_fresh_tensor_with_bernoulli(node: torch.fx.Node) -> bool:

@@ -212,3 +212,40 @@ def test_a_model_returning_a_key_value_cache_is_told_to_turn_it_off():
     model = t.GPT2LMHeadModel(t.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
     with pytest.raises(autorecompute.CaptureError, match="use_cache=False"):
         capture(model, (torch.randint(0, 64, (2, 16)),), {})
+
+
+class StraightThroughRound(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_a_custom_autograd_function_is_refused_not_differentiated_otherwise():
+    """torch.export traces a custom Function's forward and drops its backward: the graph's gradient of a
+    straight-through round would be 0. Refused with a CaptureError naming it; PyTorch's own Functions (the
+    reentrant checkpoint's) are not custom."""
+    class Quantized(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.b(StraightThroughRound.apply(self.a(x) * 4))
+
+    with pytest.raises(autorecompute.CaptureError, match="StraightThroughRound.*drops its backward"):
+        capture(Quantized(), (torch.randn(4, 16),), {})
+
+    class Reentrant(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=True)
+
+    assert capture(Reentrant(), (torch.randn(2, 8, requires_grad=True),), {}) is not None
+    assert type(torch.autograd.Function.__dict__["apply"]).__name__ != "function"   # the original, restored
