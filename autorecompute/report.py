@@ -6,7 +6,7 @@ import html
 import io
 import shutil
 import subprocess
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,14 +58,31 @@ def format_table(plan: "Plan", max_rows_per_group: int = 6) -> str:
         recomputed = sum(r["held_bytes"] for r in members if r["action"] == "recompute")
         lines.append(f"  [{module}] {len(members)} ops" + (f", {format_bytes(recomputed)} recomputed instead of held"
                                                            if recomputed else ""))
+        parts: dict[str, list[dict]] = defaultdict(list)
+        for row in members:
+            parts[_group_key(row["module"], depth + 1)].append(row)
+        if len(members) > 4 * max_rows_per_group and len(parts) > 1:
+            # a group folded from many blocks (a 24-layer model's layers): one line per block, so what each
+            # layer does stays readable; plan.table() has every row
+            for part, rows_of in parts.items():
+                again = sum(r["held_bytes"] for r in rows_of if r["action"] == "recompute")
+                counts = Counter(r["action"] for r in rows_of)
+                lines.append(f"    {part} {len(rows_of)} ops: " + ", ".join(f"{a} {n}" for a, n in counts.items())
+                             + (f"; {format_bytes(again)} recomputed" if again else ""))
+            continue
         shown = sorted(members, key=lambda r: -r["bytes"])[:max_rows_per_group]
         for r in sorted(shown, key=members.index):
             shape = "x".join(map(str, r["shape"])) or "-"
-            lines.append(f"    {r['name'][:24]:<24} {shape[:20]:<20} {r['dtype'][:8]:<8} "
+            lines.append(f"    {_cut(r['name'], 24):<24} {_cut(shape, 20):<20} {r['dtype'][:8]:<8} "
                          f"{format_bytes(r['bytes']):>11} {r['action']:<{width}} {r['why']}")
         if len(members) > len(shown):
             lines.append(f"    ... {len(members) - len(shown)} smaller ops")
     return "\n".join(lines)
+
+
+def _cut(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, a cut marked with "…"."""
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def _quote(text: str) -> str:

@@ -114,3 +114,22 @@ def test_an_offload_only_plan_reports_what_it_moves():
 def test_a_file_that_is_not_a_plan_is_refused_clearly(text, says):
     with pytest.raises(ValueError, match=says):
         Plan.from_json(text)
+
+
+def test_a_deep_model_prints_one_line_per_block():
+    """48 blocks fold into one group (the table stays under MAX_GROUPS): it lists each block's actions on one
+    line instead of six rows and "... 1434 smaller ops"; cut names end in "…"."""
+    from autorecompute.report import format_table
+
+    class Deep:
+        def table(self):
+            return [{"name": f"scaled_dot_product_attention_{layer}_{op}", "module": f"model.layers.{layer}.attn",
+                     "shape": (8, 128, 256), "dtype": "float32", "bytes": 1 << 20, "held_bytes": 1 << 20,
+                     "action": "recompute" if layer % 2 else "keep", "why": "…"}
+                    for layer in range(48) for op in range(30)]
+
+    text = format_table(Deep())
+    assert "model.layers.47 30 ops: recompute 30; 30.00 MiB recomputed" in text
+    assert "model.layers.0 30 ops: keep 30" in text and "smaller ops" not in text
+    assert text.count("\n") < 60
+    assert "scaled_dot_product_atte…" in format_table(type("One", (), {"table": lambda self: Deep().table()[:1]})())
