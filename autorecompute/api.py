@@ -372,18 +372,21 @@ class CompiledModule(torch.nn.Module):
 
     def _watch_backward(self, outputs) -> None:
         """The first step of each plan: whether its backward leaves out an output the plan gave a gradient
-        while that output (and the activations only it needs) is still alive."""
+        while that output (and the activations only it needs) is still alive. An output that shares its
+        storage with one backward reached (a view of it) holds nothing more."""
         tensors = output_tensors_for_backward(outputs)
         if len(tensors) < 2:
             return
         refs = [weakref.ref(t) for t in tensors]
+        storages = [t.untyped_storage()._cdata for t in tensors]
         reached = [False] * len(tensors)
-        verdict: dict[str, int] = {}
+        watch: dict = {"done": False}
 
         def at_end_of_backward():
-            alive = sum(1 for r, done in zip(refs, reached) if not done and r() is not None)
-            if alive:
-                verdict.update(reached=sum(reached), total=len(reached))
+            through = {key for key, done in zip(storages, reached) if done}
+            left = sum(1 for ref, key, done in zip(refs, storages, reached)
+                       if not done and key not in through and ref() is not None)
+            watch.update(done=True, left=left, reached=sum(reached), total=len(reached))
 
         def mark(grad, i):
             if not any(reached):
@@ -392,16 +395,16 @@ class CompiledModule(torch.nn.Module):
 
         for i, tensor in enumerate(tensors):
             tensor.register_hook(partial(mark, i=i))
-        self.__dict__["_watch"] = verdict
+        self.__dict__["_watch"] = watch
 
     def _check_last_backward(self) -> None:
-        verdict = self.__dict__.get("_watch")
-        if verdict is None:
-            return
+        watch = self.__dict__.get("_watch")
+        if watch is None or not watch["done"]:
+            return      # no backward since the watched step (gradient accumulation: its next forward comes first)
         self.__dict__["_watch"] = None
-        if verdict:
+        if watch["left"]:
             warnings.warn(
-                f"autorecompute: the last step ran backward from {verdict['reached']} of the {verdict['total']} outputs "
+                f"autorecompute: the last step ran backward from {watch['reached']} of the {watch['total']} outputs "
                 "its plan gives gradients (as a loss over every differentiable output would) while the others were "
                 "alive: the activations only they need stayed on the device through that backward, which the plan "
                 "did not count, so the budget may not hold. Fix: detach the outputs no loss uses (return "

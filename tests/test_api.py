@@ -479,6 +479,12 @@ class TwoHeads(torch.nn.Module):
         return self.a(h), torch.tanh(self.b(h))
 
 
+def _accumulated(compiled, x):
+    a1, b1 = compiled(x)       # the watched step
+    a2, b2 = compiled(x)       # the next micro-batch's forward comes before the backward of both
+    (a1.sum() + a2.sum()).backward()
+
+
 @pytest.mark.parametrize("step, warns", [
     (lambda a, b: a.sum().backward(), True),              # b alive, its activations held through a's backward
     (lambda a, b: (a.sum() + b.sum()).backward(), False),
@@ -509,3 +515,33 @@ def test_an_output_dropped_before_backward_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error", autorecompute.PartialBackwardWarning)
         compiled(x)
+
+
+class ViewedHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        y = torch.tanh(self.layer(x))
+        return y, y[:, :4]
+
+
+def _first_of_two(outputs):
+    y, view = outputs          # both alive through the backward
+    y.sum().backward()
+    return view
+
+
+@pytest.mark.parametrize("model, run, warns", [
+    (TwoHeads, _accumulated, True),                       # checked after the backward, not at the next forward
+    (ViewedHead, lambda compiled, x: _first_of_two(compiled(x)), False),     # a live view holds nothing more
+])
+def test_the_partial_backward_check_waits_for_the_backward_and_ignores_views(model, run, warns):
+    compiled = autorecompute.compile(model(), budget=1.0, solver_time_limit=SOLVER_TIME)
+    x = torch.randn(256, 64)
+    run(compiled, x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(x)
+    assert sum(issubclass(w.category, autorecompute.PartialBackwardWarning) for w in caught) == warns
