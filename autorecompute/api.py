@@ -198,6 +198,13 @@ def model_state(model: torch.nn.Module) -> int:
     return hash(tuple(state))
 
 
+def step_signature(model: torch.nn.Module, args: tuple, kwargs: dict, inputs: str | None = None) -> str:
+    """A plan's readable signature: the inputs (``inputs`` if already computed), then the gradients that
+    exist, the frozen parameters and the modes of the step."""
+    inputs = input_signature(args, kwargs) if inputs is None else inputs
+    return inputs + gradient_state(model) + frozen_state(model) + mode_state(model)
+
+
 def _reads_replaced_tensors(planned: Planned, model: torch.nn.Module) -> bool:
     """Whether the plan's graph reads a Parameter or buffer object the model no longer has under that name
     (``model.head.weight = nn.Parameter(...)``, an adapter swapped in): it would train the old one."""
@@ -233,8 +240,7 @@ class CompiledModule(torch.nn.Module):
         self.__dict__["_options"] = options
         self.__dict__["_plans"] = {}
         self.__dict__["_last"] = None
-        self.__dict__["_watched"] = set()      # ids of the plans whose first step's backward was watched
-        self.__dict__["_watch"] = None         # that step's verdict, filled at the end of its backward
+        self.__dict__["_watch"] = None         # a plan's first step's verdict, filled at the end of its backward
         self.training = model.training
 
     def __deepcopy__(self, memo: dict) -> "CompiledModule":
@@ -259,7 +265,7 @@ class CompiledModule(torch.nn.Module):
         state = super().__getstate__()
         state.update(_watch=None)
         if not keep_plans:
-            state.update(_plans={}, _last=None, _watched=set())
+            state.update(_plans={}, _last=None)
         return state
 
     @property
@@ -328,8 +334,7 @@ class CompiledModule(torch.nn.Module):
             # objects; dropped, so they do not keep them alive
             for stale in [k for k, p in self._plans.items() if _reads_replaced_tensors(p, self._model)]:
                 del self._plans[stale]
-            model = self._model
-            signature = inputs + gradient_state(model) + frozen_state(model) + mode_state(model)
+            signature = step_signature(self._model, args, kwargs, inputs)
             log.info("planning %s for %s", type(self._model).__name__, signature)
             with torch.random.fork_rng(devices=[]):   # planning must not move the user's RNG stream
                 planned = make_plan(self._model, args, kwargs, self._budget, self._options, signature)
@@ -365,8 +370,8 @@ class CompiledModule(torch.nn.Module):
         self._check_last_backward()
         planned = self._planned(args, kwargs)
         outputs = planned.module(*args, **kwargs)
-        if id(planned) not in self._watched:
-            self._watched.add(id(planned))
+        if not planned.backward_watched:
+            planned.backward_watched = True
             self._watch_backward(outputs)
         return outputs
 
@@ -508,7 +513,5 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
     """
     _warn_if_checkpointing_itself(model, parse_budget(budget))
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
-    planned: Planned = make_plan(model, args, kwargs, budget, options,
-                                 input_signature(args, kwargs) + gradient_state(model) + frozen_state(model)
-                                 + mode_state(model))
+    planned: Planned = make_plan(model, args, kwargs, budget, options, step_signature(model, args, kwargs))
     return planned.plan

@@ -97,10 +97,9 @@ class PlannerOptions:
             check_writable(self.offload_dir)
         if self.transfer is not None and not isinstance(self.transfer, TransferModel):
             raise ValueError(f"transfer={self.transfer!r} must be an autorecompute.transfer.TransferModel")
-        if isinstance(self.solver_time_limit, bool) or not isinstance(self.solver_time_limit, numbers.Real):
+        if isinstance(self.solver_time_limit, bool) or not isinstance(self.solver_time_limit, numbers.Real) \
+                or not self.solver_time_limit > 0:
             raise ValueError(f"solver_time_limit={self.solver_time_limit!r} must be a number of seconds > 0")
-        if not self.solver_time_limit > 0:
-            raise ValueError(f"solver_time_limit={self.solver_time_limit!r} must be > 0 seconds")
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -116,6 +115,7 @@ class Planned:
 
     plan: Plan
     module: torch.nn.Module
+    backward_watched: bool = False   # whether its first step's backward was checked (CompiledModule)
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:

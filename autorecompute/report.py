@@ -55,7 +55,7 @@ def format_table(plan: "Plan", max_rows_per_group: int = 6) -> str:
     width = max([9] + [len(r["action"]) for r in rows])
     lines = [f"  {'tensor':<26} {'shape':<20} {'dtype':<8} {'bytes':>11} {'action':<{width}} why"]
     for module, members in groups.items():
-        recomputed = sum(r["held_bytes"] for r in members if r["action"] == "recompute")
+        recomputed = _recomputed_bytes(members)
         lines.append(f"  [{module}] {len(members)} ops" + (f", {format_bytes(recomputed)} recomputed instead of held"
                                                            if recomputed else ""))
         parts: dict[str, list[dict]] = defaultdict(list)
@@ -65,7 +65,7 @@ def format_table(plan: "Plan", max_rows_per_group: int = 6) -> str:
             # a group folded from many blocks (a 24-layer model's layers): one line per block, so what each
             # layer does stays readable; plan.table() has every row
             for part, rows_of in parts.items():
-                again = sum(r["held_bytes"] for r in rows_of if r["action"] == "recompute")
+                again = _recomputed_bytes(rows_of)
                 counts = Counter(r["action"] for r in rows_of)
                 lines.append(f"    {part} {len(rows_of)} ops: " + ", ".join(f"{a} {n}" for a, n in counts.items())
                              + (f"; {format_bytes(again)} recomputed" if again else ""))
@@ -78,6 +78,11 @@ def format_table(plan: "Plan", max_rows_per_group: int = 6) -> str:
         if len(members) > len(shown):
             lines.append(f"    ... {len(members) - len(shown)} smaller ops")
     return "\n".join(lines)
+
+
+def _recomputed_bytes(rows: list[dict]) -> int:
+    """Bytes autograd would hold of the recomputed rows' ops (what recomputing them takes off the device)."""
+    return sum(r["held_bytes"] for r in rows if r["action"] == "recompute")
 
 
 def _cut(text: str, width: int) -> str:

@@ -195,7 +195,7 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
         activations=tuple(activations), fixed=tuple([0] * num_positions), num_forward=num_forward,
         backward_op=backward_op, bytes_at_rest=dict(profile.resident), region_cost=device.seconds_to_cost(device.region_seconds),
         stash_options=options, saves=saves,
-        unremakeable=frozenset(op for op in chain if is_random(nodes[op]) or unreplayable(nodes[op])),
+        unremakeable=frozenset(op for op in chain if is_random(nodes[op])),   # (unreplayable ops: not recomputable)
         repeats=repeated_ops([nodes[op] for op in chain], recomputable))
     return calibrate(problem, measured)
 
@@ -385,7 +385,7 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
         source = activations.get(storage)
         if chain is False or source is None or arg.name != storage or arg.name not in recomputable:
             return False
-        if is_random(arg) or unreplayable(arg) or not _whole_tensor(arg, source.nbytes):
+        if is_random(arg) or not _whole_tensor(arg, source.nbytes):
             return False
         if not source.savers or source.save_end < source.hold_start:
             return False
@@ -402,7 +402,7 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
             continue
         info = node_info(n) if n.op == "call_function" else None
         # made again: a plannable op with one output (an op's internal saves, a dropout mask, are temporaries)
-        if info is None or n.name not in recomputable or (n is not node and is_random(n)) or unreplayable(n):
+        if info is None or n.name not in recomputable or (n is not node and is_random(n)):
             return None
         if any(".saved" not in c for c in info.creates[1:]) or len(recipe) == MAX_RECIPE_OPS:
             return None

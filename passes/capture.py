@@ -379,23 +379,36 @@ def _functionalize_activation_mutations(gm: torch.fx.GraphModule) -> None:
             node.target = functional
 
 
+def _written(node: torch.fx.Node) -> list:
+    """The values ``node`` writes in place, read off its schema (``self`` of ``add_``, ``out`` of an out= op)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return []
+    return [node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            for i, argument in enumerate(schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write]
+
+
+def _storage_root(value):
+    """The node whose storage ``value`` is: through views and in-place writes (which return what they wrote)
+    to the op that allocated it, or the input / attribute."""
+    while isinstance(value, torch.fx.Node) and value.op == "call_function" and value.args \
+            and (is_mutating(value) or _is_view(value)):
+        written = _written(value)
+        value = written[0] if written else value.args[0]
+    return value
+
+
 def written_in_place(graph: torch.fx.Graph) -> set[str]:
     """Ops whose result a later op writes in place (``empty_like`` that ``bernoulli_`` fills, a tensor other ops
     also read and ``add_`` updates): running such an op again would not run the writes."""
     written = set()
     for node in graph.nodes:
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        if schema is None or not is_mutating(node):
-            continue
-        for i, argument in enumerate(schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            base = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-            while isinstance(base, torch.fx.Node) and base.op == "call_function" and base.args \
-                    and (is_mutating(base) or _is_view(base)):
-                base = base.args[0]           # through views and earlier in-place writes to the allocating op
-            if isinstance(base, torch.fx.Node) and base.op == "call_function":
-                written.add(base.name)
+        if node.op == "call_function" and is_mutating(node):
+            for value in _written(node):
+                root = _storage_root(value)
+                if isinstance(root, torch.fx.Node) and root.op == "call_function":
+                    written.add(root.name)
     return written
 
 
@@ -403,22 +416,21 @@ def read_before_written(graph: torch.fx.Graph) -> set[str]:
     """Ops that read a tensor (or a view of it) which a later op writes in place — an activation's slice
     assigned (``a[:, :4] = tanh(a[:, :4])``), a buffer the forward updates (spectral norm's power iteration):
     run again in backward, they would read the written values (and autograd's version check fails)."""
-    aliases: dict[torch.fx.Node, torch.fx.Node] = {}      # node → the allocating node (or input) it views
     order = {node: i for i, node in enumerate(graph.nodes)}
+    sharing: dict[torch.fx.Node, list[torch.fx.Node]] = {}    # storage root → it, its views and in-place results
     found: set[str] = set()
     for node in graph.nodes:
-        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        if node.op != "call_function" or not (_is_view(node) or is_mutating(node)):
             continue
-        base = aliases.get(node.args[0], node.args[0])
-        if _is_view(node) or is_mutating(node):       # (an in-place op returns its written input)
-            aliases[node] = base
+        root = _storage_root(node)
+        if isinstance(root, torch.fx.Node):
+            sharing.setdefault(root, [root]).append(node)
         if not is_mutating(node):
             continue
-        views = {base, *(n for n, b in aliases.items() if b is base)}
-        for alias in views:
-            for reader in alias.users:
-                if reader is not node and order[reader] < order[node] and reader.op == "call_function":
-                    found.add(reader.name)
+        for value in _written(node):
+            for alias in sharing.get(_storage_root(value), ()):
+                found.update(reader.name for reader in alias.users
+                             if reader is not node and reader.op == "call_function" and order[reader] < order[node])
     return found
 
 

@@ -90,11 +90,16 @@ class DiskTier:
 
         def write() -> None:
             try:
-                if not os.path.isdir(self.directory) and os.path.isdir(os.path.dirname(self.directory)):
+                try:
+                    f = open(path, "wb")
+                except FileNotFoundError:
+                    if not os.path.isdir(os.path.dirname(self.directory)):
+                        raise       # offload_dir itself is gone: the error below names it
                     # our folder removed under us (a cleaner of the temporary directory; offload_dir deleted and
-                    # made again): made again; with offload_dir itself gone, the error below names it
+                    # made again): made again, checked only when a write finds it missing
                     os.makedirs(self.directory, exist_ok=True)
-                with open(path, "wb") as f:
+                    f = open(path, "wb")
+                with f:
                     written = f.write(memoryview(box.pop().view(torch.uint8).numpy()))
                     f.flush()
                 if written != nbytes:
