@@ -143,16 +143,21 @@ def mode_state(model: torch.nn.Module) -> str:
     return f" with {frozen} submodule{'s' if frozen > 1 else ''} in eval mode" if frozen else ""
 
 
+_PLAIN = frozenset({bool, int, float, str, type(None), torch.dtype, tuple})
+
+
 def model_state(model: torch.nn.Module) -> int:
     """What a captured graph fixes about the model beyond its inputs, hashed, in one walk of its modules:
-    each submodule's mode and forward hooks (traced into the graph), each parameter and buffer — name,
-    object, dtype — and which parameters require grad, and the gradients that exist. A change to any of them
-    (``module.eval()``, a hook added, a parameter frozen or replaced, ``model.half()``, a first micro-batch's
-    gradients) makes the next step use (or make) the plan of that state instead of running a graph that no
-    longer matches.
+    each submodule — the object itself, its mode, its forward hooks (traced into the graph), its backward
+    hooks (which the graph does not run: capture warns), and its attributes of plain types (numbers, strings,
+    tuples of them: ``Dropout.p``, ``eps`` — tracing reads them as constants) — each parameter and buffer —
+    name, object, dtype — and which parameters require grad, and the gradients that exist. A change to any
+    of them (``module.eval()``, a hook added, a parameter frozen or replaced, ``model.half()``, a submodule
+    swapped, ``dropout.p`` set, a first micro-batch's gradients) makes the next step use (or make) the plan
+    of that state instead of running a graph that no longer matches.
 
-    Checked on every training call, so it is one loop over the modules' own dicts (a 55-module GPT: 40 µs,
-    where ``named_modules()``/``named_parameters()`` walks took 0.45 ms).
+    Checked on every training call, so it is one loop over the modules' own dicts (a 55-module GPT: 0.11 ms,
+    half of it the plain attributes; ``named_modules()``/``named_parameters()`` walks took 0.45 ms).
 
     Example:
         >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout())
@@ -172,10 +177,15 @@ def model_state(model: torch.nn.Module) -> int:
             add(None if module is None else id(module))
             continue
         seen.add(id(module))
-        add(module.training)
-        if module._forward_hooks or module._forward_pre_hooks:
+        add(id(module))        # a submodule swapped for another (one without parameters: GELU for ReLU)
+        # plain attributes, ``training`` among them (the Module's own tables are dicts and sets)
+        state += [value for value in module.__dict__.values() if type(value) in _PLAIN]
+        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks \
+                or module._backward_pre_hooks:
             add(tuple(module._forward_hooks))
             add(tuple(module._forward_pre_hooks))
+            add(tuple(module._backward_hooks))
+            add(tuple(module._backward_pre_hooks))
         for name, tensor in module._parameters.items():
             add(name)
             if tensor is not None:      # ids: a replaced Parameter is another state (the graph reads the old one)
@@ -195,7 +205,10 @@ def model_state(model: torch.nn.Module) -> int:
             stack.append(child)
     if grads:       # gradient accumulation: the later micro-batches start with these resident
         add((len(grads), tensor_bytes(grads)))
-    return hash(tuple(state))
+    try:
+        return hash(tuple(state))
+    except TypeError:       # a tuple attribute holding a list or dict: its text stands for it
+        return hash(tuple(repr(value) if type(value) is tuple else value for value in state))
 
 
 def step_signature(model: torch.nn.Module, args: tuple, kwargs: dict, inputs: str | None = None) -> str:
@@ -342,12 +355,19 @@ class CompiledModule(torch.nn.Module):
         self.__dict__["_last"] = planned
         count = len(self._plans)
         if new and count >= MANY_SIGNATURES and count & (count - 1) == 0:      # the 8th, 16th, 32nd... plan
+            same = sum(p.plan.signature == signature for p in self._plans.values())
+            if same > count // 2:       # mostly the same inputs: the model's state keeps changing
+                cause = (f"{same} of them for the same inputs ({signature}): the model's state changed before "
+                         "each (a plain attribute such as dropout.p, a mode, hook, submodule or parameter). Fix: "
+                         "pass a value that changes every step as an input (a tensor argument), or change it "
+                         "between a few fixed values")
+            else:
+                cause = (f"the latest {signature}. Fix: give the steps a few fixed shapes (pad sequences to a "
+                         "multiple of 64 or to the longest, drop or pad the last batch)")
             warnings.warn(
-                f"autorecompute has planned {count} input signatures for {type(self._model).__name__} "
-                f"(the latest {signature}): each new one is captured and solved again, seconds of planning, "
-                "and its plan is kept. Fix: give the steps a few fixed shapes (pad sequences to a multiple of "
-                "64 or to the longest, drop or pad the last batch).", ReplanningWarning,
-                stacklevel=_user_stacklevel())
+                f"autorecompute has made {count} plans for {type(self._model).__name__}: each new one is "
+                f"captured and solved again, seconds of planning, and its plan is kept; {cause}.",
+                ReplanningWarning, stacklevel=_user_stacklevel())
         return planned
 
     def _device_grew(self, planned: Planned, args: tuple, kwargs: dict) -> bool:
@@ -481,7 +501,7 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
 
 def _warn_if_checkpointing_itself(model: torch.nn.Module, budget: int | float) -> None:
     """Warns when ``budget`` (parsed) is a fraction and the model checkpoints itself (a Hugging Face model
-    after ``gradient_checkpointing_enable()``): it is captured without its checkpoints — the plan decides
+    after ``activation_checkpointing_enable()``): it is captured without its checkpoints — the plan decides
     what is recomputed — so the fraction is of the peak without them, which can be above the peak the
     model reached with them."""
     if not isinstance(budget, float):

@@ -182,12 +182,15 @@ def plot_memory(plan: "Plan", path: str | None = None, ax=None):
     ax.set_xlabel("step position (forward ops, then backward events)")
     ax.set_ylabel(f"memory ({unit})")
     gradients = plan.gradients_offloaded()
-    ax.set_title(f"{plan.model_name or 'model'}: budget {format_bytes(plan.budget)}, "
-                 f"{plan.count('recompute')} of {len(plan.decisions)} ops recomputed, "
-                 f"+{100 * plan.extra_flops_ratio:.0f}% FLOPs"
-                 + (f", {moved} tensors offloaded/compressed/rematerialized" if (moved := len(plan.stash)
-                                                                                    - len(gradients)) else "")
-                 + (f", {len(gradients)} gradients offloaded" if gradients else ""))
+    details = [f"{plan.count('recompute')} of {len(plan.decisions)} ops recomputed",
+               f"+{100 * plan.extra_flops_ratio:.0f}% FLOPs"]
+    if moved := len(plan.stash) - len(gradients):
+        details.append(f"{moved} tensors offloaded/compressed/rematerialized")
+    if gradients:
+        details.append(f"{len(gradients)} gradients offloaded")
+    # two lines: one would run past the figure's edge with every part present
+    ax.set_title(f"{plan.model_name or 'model'}: budget {format_bytes(plan.budget)}\n" + ", ".join(details),
+                 fontsize=10)
     ax.legend(loc="upper right", fontsize=7, framealpha=0.9)
     if path:
         ax.figure.tight_layout()

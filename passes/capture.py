@@ -49,6 +49,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     """
     _refuse_sparse_gradients(model)
     _warn_of_forward_hooks(model)
+    _warn_of_backward_hooks(model)
     try:
         with _eager_mask_decisions(model, args, kwargs), _quiet_fake_tensor_log(), \
                 _autograd_functions_applied() as functions:
@@ -168,6 +169,23 @@ def _warn_of_forward_hooks(model: torch.nn.Module) -> None:
             "captures the model: the tensor ops they apply are part of every step, but their other effects "
             "(storing activations, logging, counters) happen only at capture, not at each step. Fix: do that "
             "outside the compiled module (on its outputs), or compile a submodule without the hooks.",
+            UserWarning, stacklevel=2)
+
+
+def _warn_of_backward_hooks(model: torch.nn.Module) -> None:
+    """A submodule's backward hook (``register_full_backward_hook``, ``register_full_backward_pre_hook``,
+    ``register_backward_hook``) wraps that module's inputs and outputs at each eager call; the captured graph
+    has no module boundaries, so it never runs. Hooks on tensors — parameters' ``register_hook`` and
+    ``register_post_accumulate_grad_hook`` — do run, as does a hook on the compiled module itself."""
+    hooked = [path or type(model).__name__ for path, module in model.named_modules()
+              if module._backward_hooks or module._backward_pre_hooks]
+    if hooked:
+        warnings.warn(
+            f"backward hooks on {hooked[:3]}{' …' if len(hooked) > 3 else ''} do not run in the compiled "
+            "module: autorecompute runs the captured graph, which has no submodule boundaries for them to "
+            "wrap. Fix: hook the parameters' gradients instead (p.register_hook(fn), or "
+            "p.register_post_accumulate_grad_hook(fn): both run), hook the compiled module itself, or "
+            "compile a submodule without the hooks.",
             UserWarning, stacklevel=2)
 
 

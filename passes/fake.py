@@ -24,7 +24,7 @@ def fake_step(module: torch.nn.Module, args: tuple, kwargs: dict) -> Iterator[tu
             converted = fake_mode.from_tensor(value)
             if value.requires_grad and value.is_leaf:
                 converted = converted.detach().requires_grad_(True)
-            if value.grad is not None and value.is_leaf:
+            if value.is_leaf and value.grad is not None:     # (.grad of a non-leaf warns)
                 converted.grad = fake_mode.from_tensor(value.grad)
             memo[id(value)] = converted
         return memo[id(value)]

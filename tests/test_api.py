@@ -127,11 +127,48 @@ def test_a_changed_model_is_planned_again_not_run_on_a_stale_graph():
                if a.requires_grad)
 
 
+def test_changed_constants_and_swapped_modules_are_planned_again():
+    """``dropout.p`` set between steps (a schedule) and a parameter-free activation swapped: the graph read
+    both while tracing, so the next step plans again and matches eager — it had run the old graph, with
+    outputs off by 0.94 and gradients by 15.8."""
+    def fresh():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Dropout(0.5),
+                                   torch.nn.Linear(256, 64))
+    x = torch.randn(128, 64)
+    for change in (lambda m: setattr(m[2], "p", 0.0), lambda m: m.__setitem__(1, torch.nn.ReLU())):
+        eager, model = fresh(), fresh()
+        compiled = autorecompute.compile(model, budget="100MB", solver_time_limit=SOLVER_TIME)
+        _step(compiled, x)
+        for m in (eager, model):
+            change(m)
+            m.zero_grad(set_to_none=True)
+        _step(eager, x)
+        _step(compiled, x)
+        assert len(compiled.plans) == 2
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+
+
+def test_backward_hooks_on_submodules_are_named_in_a_warning():
+    """A submodule's full backward hook cannot run in the captured graph (no module boundaries there): the
+    first step says so and names the fix, instead of skipping it silently; a hook on the compiled module
+    itself runs."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    model[0].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    compiled = autorecompute.compile(model, budget="1MB", solver_time_limit=SOLVER_TIME)
+    calls = []
+    compiled.register_full_backward_hook(lambda module, grad_in, grad_out: calls.append(module))
+    with pytest.warns(UserWarning, match=r"backward hooks on \['0'\] do not run"):
+        compiled(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert calls == [compiled]
+
+
 def test_model_state_sees_every_change_a_captured_graph_depends_on():
     """The per-call state: each change a stale graph would get wrong gives another state, including a
     Parameter written into ``_parameters`` directly (as accelerate's ``set_module_tensor_to_device`` does),
-    a dtype changed in place (``half()`` keeps the Parameter objects) and gradients made by a first
-    micro-batch; the same model unchanged gives the same state."""
+    a dtype changed in place (``half()`` keeps the Parameter objects), gradients made by a first
+    micro-batch, a submodule without parameters swapped and a plain attribute set; the same model unchanged
+    gives the same state."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Sequential(torch.nn.Linear(4, 2)))
     changes = [
         lambda: model[1].eval(),
@@ -142,6 +179,10 @@ def test_model_state_sees_every_change_a_captured_graph_depends_on():
         lambda: model[2].append(torch.nn.ReLU()),
         lambda: setattr(model[2][0].weight, "grad", torch.zeros(2, 4)),
         lambda: model[0].half(),
+        lambda: model[2].__setitem__(1, torch.nn.GELU()),            # no parameters: only the object differs
+        lambda: setattr(model[2][1], "approximate", "tanh"),          # a constant the trace reads
+        lambda: setattr(model[1], "eps", 1e-3),
+        lambda: model[0].register_full_backward_hook(lambda module, grad_in, grad_out: None),
     ]
     seen = {model_state(model)}
     for change in changes:
@@ -229,14 +270,27 @@ def test_many_input_signatures_warn_with_the_fix():
 
     assert not any(step(batch) for batch in range(1, MANY_SIGNATURES))
     (warning,) = step(MANY_SIGNATURES)
-    assert f"planned {MANY_SIGNATURES} input signatures for Sequential (the latest (float32[{MANY_SIGNATURES}, 16]" \
-        in str(warning.message) and "Fix:" in str(warning.message)
+    assert f"made {MANY_SIGNATURES} plans for Sequential" in str(warning.message)
+    assert f"the latest (float32[{MANY_SIGNATURES}, 16]" in str(warning.message) and "fixed shapes" in str(warning.message)
     assert warning.filename == __file__
     assert not step(1)                                         # planned already: no new plan, no warning
     assert not any(step(batch) for batch in range(MANY_SIGNATURES + 1, 2 * MANY_SIGNATURES))
     (warning,) = step(2 * MANY_SIGNATURES)                     # and again at each doubling
-    assert f"planned {2 * MANY_SIGNATURES} input signatures" in str(warning.message)
+    assert f"made {2 * MANY_SIGNATURES} plans" in str(warning.message)
     assert len(compiled.plans) == 2 * MANY_SIGNATURES
+
+    # the same inputs, a model attribute changed before every step (an annealed dropout.p): said so
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 16))
+    compiled = autorecompute.compile(model, budget=1.0, solver_time_limit=0.2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(MANY_SIGNATURES):
+            model[1].p = 0.5 - 0.01 * k
+            model.zero_grad()
+            compiled(torch.randn(4, 16)).sum().backward()
+    (warning,) = [w for w in caught if issubclass(w.category, autorecompute.ReplanningWarning)]
+    assert f"{MANY_SIGNATURES} of them for the same inputs" in str(warning.message)
+    assert "as an input" in str(warning.message)
 
 
 def test_every_micro_batch_of_gradient_accumulation_fits_the_budget():
