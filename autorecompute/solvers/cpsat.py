@@ -20,13 +20,16 @@ from autorecompute.solvers import greedy
 
 log = logging.getLogger("autorecompute")
 DTIME_PER_SECOND = 0.12   # CP-SAT deterministic time per wall second, measured on the 2-core CI machine
-# CP-SAT's subsolvers that solve linear relaxations, left out of least-cost solves. The relaxation of the cost
-# model is weak (on Llama at √N's peak it bounds the cost at a fifth of the best plan's), so within a few
-# seconds those workers prove nothing and take most of the time slices (at 6 s none of the neighbourhood
-# searches ran). Without them, over 8 models × 3 objectives/action sets × 2 budgets: 21 of 48 plans cheaper
-# (by up to 44%: GPT-2 least-FLOPs at a quarter of its range), 4 dearer (by at most 4.5%), 27% less solve time.
-# Least-peak solves keep them: there the bound is tight and proves small models optimal.
+# CP-SAT's subsolvers that solve linear relaxations, left out of least-cost solves on long chains. There the
+# relaxation of the cost model is weak (on Llama at √N's peak it bounds the cost at a fifth of the best
+# plan's), so within a few seconds those workers prove nothing and take most of the time slices (at 6 s none
+# of the neighbourhood searches ran). Without them, on the four transformers (187–248 ops) × 3 objectives/
+# action sets × 2 budgets: 18 of 24 plans cheaper (by up to 44%: GPT-2 least-FLOPs at a quarter of its
+# range), 2 dearer (by 1.4% and 4.5%). On chains up to LP_UP_TO ops (the CNNs and the MLP: 36–52) they prove
+# plans optimal within the limit, where without them the same plans are found unproven (and the MLP's a
+# little dearer), so they stay; least-peak solves keep them everywhere (the peak's bound is tight).
 LP_SUBSOLVERS = ("default_lp", "max_lp", "reduced_costs", "pseudo_costs", "core", "quick_restart")
+LP_UP_TO = 100
 
 _STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible",
            cp_model.MODEL_INVALID: "invalid", cp_model.UNKNOWN: "unknown"}
@@ -445,7 +448,7 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = workers
     solver.parameters.interleave_search = True
-    if minimize == "cost":
+    if minimize == "cost" and len(chain) > LP_UP_TO:
         solver.parameters.ignore_subsolvers.extend(LP_SUBSOLVERS)
     reporter = _Progress(minimize, started) if progress else None
     status = solver.solve(model, reporter) if reporter else solver.solve(model)
