@@ -494,9 +494,25 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
         autorecompute.InfeasibleBudgetError: on the first training call, if no plan fits.
         autorecompute.CaptureError: on the first training call, if the model cannot be captured.
     """
+    model = _original(model)
     _warn_if_checkpointing_itself(model, parse_budget(budget))
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
     return CompiledModule(model, budget, options)
+
+
+def _original(model: torch.nn.Module) -> torch.nn.Module:
+    """The model to plan: a compiled module's own model (compiling it again makes a second wrapper with the
+    new settings; the first keeps working). A compiled submodule inside ``model`` is refused: its wrapper
+    would plan on its own inside the capture of the whole."""
+    if isinstance(model, CompiledModule):
+        model = model.__dict__["_model"]
+    inner = [path for path, module in model.named_modules() if isinstance(module, CompiledModule)]
+    if inner:
+        raise ValueError(
+            f"{type(model).__name__} holds modules compiled by autorecompute already ({inner[:3]}): their plans "
+            "and this one would each count only part of the step. Fix: compile either the whole model (put the "
+            "original submodules back) or only its parts.")
+    return model
 
 
 def _warn_if_checkpointing_itself(model: torch.nn.Module, budget: int | float) -> None:
@@ -531,6 +547,7 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
         >>> p.count("recompute")
         0
     """
+    model = _original(model)
     _warn_if_checkpointing_itself(model, parse_budget(budget))
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
     planned: Planned = make_plan(model, args, kwargs, budget, options, step_signature(model, args, kwargs))

@@ -22,7 +22,9 @@ def fake_step(module: torch.nn.Module, args: tuple, kwargs: dict) -> Iterator[tu
             return value
         if id(value) not in memo:
             converted = fake_mode.from_tensor(value)
-            if value.requires_grad and value.is_leaf:
+            if value.requires_grad:
+                # a leaf of the step, as the real input is to the compiled module (an activation of an eager
+                # model around a compiled submodule too: backward through the copy must stop there)
                 converted = converted.detach().requires_grad_(True)
             if value.is_leaf and value.grad is not None:     # (.grad of a non-leaf warns)
                 converted.grad = fake_mode.from_tensor(value.grad)

@@ -599,3 +599,35 @@ def test_the_partial_backward_check_waits_for_the_backward_and_ignores_views(mod
         warnings.simplefilter("always")
         compiled(x)
     assert sum(issubclass(w.category, autorecompute.PartialBackwardWarning) for w in caught) == warns
+
+
+def test_a_compiled_submodule_inside_an_eager_model():
+    """``model.block = compile(model.block)``: the block's input is an activation of the eager model, not a
+    leaf; planning treats it as the leaf it is to the block (it had backpropagated into the example input
+    and crashed), and the whole model's gradients are eager's, the layer before the block's included."""
+    def fresh():
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)])
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), block, torch.nn.Linear(64, 10))
+    x = torch.randn(256, 64)
+    eager, model = fresh(), fresh()
+    model[1] = autorecompute.compile(model[1], budget=0.6, solver_time_limit=SOLVER_TIME)
+    _step(eager, x)
+    _step(model, x)
+    assert model[1].plan.budget < model[1].plan.baseline_peak
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+
+
+def test_compiling_a_compiled_module_plans_its_model():
+    """A compiled module compiled again is a second wrapper of its model with the new settings; a model
+    holding a compiled submodule is refused with the fix (each plan would count part of the step)."""
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(6)])
+    first = autorecompute.compile(model, budget=0.95, solver_time_limit=SOLVER_TIME)
+    second = autorecompute.compile(first, budget=0.8, solver_time_limit=SOLVER_TIME)
+    plan = second.prepare(torch.randn(512, 64))
+    # the model's own peak (a plan of the wrapper would have captured the first wrapper's planning too)
+    assert plan.baseline_peak == first.prepare(torch.randn(512, 64)).baseline_peak
+    assert plan.budget == int(0.8 * plan.baseline_peak) and plan.predicted_peak <= plan.budget
+    outer = torch.nn.Sequential(first, torch.nn.ReLU())
+    with pytest.raises(ValueError, match=r"holds modules compiled by autorecompute already \(\['0'\]\).*Fix:"):
+        autorecompute.compile(outer, budget=0.5)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from functools import partial
 from typing import Iterator
@@ -324,6 +325,7 @@ class StashRuntime(torch.nn.Module):
         self._gradients = WeakIdKeyDictionary()     # parameter → name: gradients to offload in this backward
         self._hooked = WeakIdKeyDictionary()        # parameters that carry our post-accumulate hook
         self._offloaded: list[tuple] = []                                          # gradients out until backward ends
+        self._warned_create_graph = False
 
     def __getstate__(self):
         # a copy (``copy.deepcopy``, ``pickle``, ``torch.save``) carries the settings, not this process's tiers
@@ -351,8 +353,20 @@ class StashRuntime(torch.nn.Module):
         grad = param.grad
         if name is None or grad is None or not grad.is_contiguous() or grad.layout != torch.strided:
             return
+        if grad.requires_grad:
+            # backward(create_graph=True): the gradient carries the graph of the backward (a gradient
+            # penalty differentiates it); a stored copy would drop that graph, so it stays
+            if not self._warned_create_graph:
+                self._warned_create_graph = True
+                warnings.warn(
+                    "backward(create_graph=True) keeps the graph of the backward, which the plan's budget does "
+                    "not cover, and the parameter gradients the plan offloads stay on the device (they carry "
+                    "that graph): this step can go over the budget. Fix: for a gradient penalty on the inputs "
+                    "use torch.autograd.grad(..., create_graph=True) on them, or budget for the double backward.",
+                    UserWarning, stacklevel=2)
+            return
         if not self._offloaded:     # the first of this backward: bring them all back when it ends
-            torch.autograd.Variable._execution_engine.queue_callback(self._restore_gradients)
+            torch.autograd.Variable._execution_engine.queue_callback(_RestoreAtBackwardEnd(self))
         tier = self.tier(grad)
         stored, out = tier.store(grad.detach().view(-1), name)
         out.wait()                  # written: the device copy may go now
@@ -501,6 +515,26 @@ def stash_rematerialize(runtime: StashRuntime, tensor: torch.Tensor, name: str, 
             if made is not None:
                 made.source = stash
     return stash
+
+
+class _RestoreAtBackwardEnd:
+    """Queued on autograd's engine at a backward's first offloaded gradient; called when that backward ends,
+    it puts the gradients back in ``.grad``. A backward that fails — an exception in a hook, Ctrl-C — drops
+    its queued callbacks without calling them: this object is then freed at once (the engine releases them
+    with the failed backward, before the exception reaches the caller), and brings the gradients back from
+    there, so ``.grad`` holds what eager's failed backward leaves. (Left out, those parameters had no
+    gradient at any later step: the next backward found gradients still out and queued nothing.)"""
+
+    def __init__(self, runtime: "StashRuntime"):
+        self.runtime, self.called = runtime, False
+
+    def __call__(self) -> None:
+        self.called = True
+        self.runtime._restore_gradients()
+
+    def __del__(self) -> None:
+        if not self.called:
+            self.runtime._restore_gradients()
 
 
 def _gradient_accumulated(runtime: "weakref.ref[StashRuntime]", param: torch.Tensor) -> None:
