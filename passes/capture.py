@@ -48,8 +48,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
         CaptureError: when ``torch.export`` cannot trace the model; the message names the construct.
     """
     _refuse_sparse_gradients(model)
-    _warn_of_forward_hooks(model)
-    _warn_of_backward_hooks(model)
+    _warn_of_hooks(model)
     try:
         with _eager_mask_decisions(model, args, kwargs), _quiet_fake_tensor_log(), \
                 _autograd_functions_applied() as functions:
@@ -158,35 +157,33 @@ def _refuse_sparse_gradients(model: torch.nn.Module) -> None:
                 "outside autorecompute.compile and compile the rest of the model.")
 
 
-def _warn_of_forward_hooks(model: torch.nn.Module) -> None:
-    """A forward hook runs once, while the model is traced: what it computes on tensors becomes part of the
-    graph, but its other effects (storing activations, logging) do not happen again at each step."""
-    hooked = [path or type(model).__name__ for path, module in model.named_modules()
-              if module._forward_hooks or module._forward_pre_hooks]
-    if hooked:
-        warnings.warn(
-            f"forward hooks on {hooked[:3]}{' …' if len(hooked) > 3 else ''} run once, while autorecompute "
-            "captures the model: the tensor ops they apply are part of every step, but their other effects "
-            "(storing activations, logging, counters) happen only at capture, not at each step. Fix: do that "
-            "outside the compiled module (on its outputs), or compile a submodule without the hooks.",
-            UserWarning, stacklevel=2)
+def _warn_of_hooks(model: torch.nn.Module) -> None:
+    """Module hooks the compiled module cannot honour as eager does, each kind named in a warning.
 
-
-def _warn_of_backward_hooks(model: torch.nn.Module) -> None:
-    """A submodule's backward hook (``register_full_backward_hook``, ``register_full_backward_pre_hook``,
-    ``register_backward_hook``) wraps that module's inputs and outputs at each eager call; the captured graph
-    has no module boundaries, so it never runs. Hooks on tensors — parameters' ``register_hook`` and
-    ``register_post_accumulate_grad_hook`` — do run, as does a hook on the compiled module itself."""
-    hooked = [path or type(model).__name__ for path, module in model.named_modules()
-              if module._backward_hooks or module._backward_pre_hooks]
-    if hooked:
-        warnings.warn(
-            f"backward hooks on {hooked[:3]}{' …' if len(hooked) > 3 else ''} do not run in the compiled "
-            "module: autorecompute runs the captured graph, which has no submodule boundaries for them to "
-            "wrap. Fix: hook the parameters' gradients instead (p.register_hook(fn), or "
-            "p.register_post_accumulate_grad_hook(fn): both run), hook the compiled module itself, or "
-            "compile a submodule without the hooks.",
-            UserWarning, stacklevel=2)
+    * A forward hook runs once, while the model is traced: what it computes on tensors becomes part of the
+      graph, but its other effects (storing activations, logging) do not happen again at each step.
+    * A submodule's backward hook (``register_full_backward_hook``, ``register_full_backward_pre_hook``,
+      ``register_backward_hook``) wraps that module's inputs and outputs at each eager call; the captured
+      graph has no module boundaries, so it never runs. Hooks on tensors — parameters' ``register_hook``
+      and ``register_post_accumulate_grad_hook`` — do run, as does a hook on the compiled module itself.
+    """
+    for tables, effect in (
+            (("_forward_hooks", "_forward_pre_hooks"),
+             "run once, while autorecompute captures the model: the tensor ops they apply are part of every "
+             "step, but their other effects (storing activations, logging, counters) happen only at capture, "
+             "not at each step. Fix: do that outside the compiled module (on its outputs), or compile a "
+             "submodule without the hooks."),
+            (("_backward_hooks", "_backward_pre_hooks"),
+             "do not run in the compiled module: autorecompute runs the captured graph, which has no submodule "
+             "boundaries for them to wrap. Fix: hook the parameters' gradients instead (p.register_hook(fn), "
+             "or p.register_post_accumulate_grad_hook(fn): both run), hook the compiled module itself, or "
+             "compile a submodule without the hooks.")):
+        hooked = [path or type(model).__name__ for path, module in model.named_modules()
+                  if any(getattr(module, table) for table in tables)]
+        if hooked:
+            kind = tables[0][1:].split("_")[0]
+            warnings.warn(f"{kind} hooks on {hooked[:3]}{' …' if len(hooked) > 3 else ''} {effect}",
+                          UserWarning, stacklevel=2)
 
 
 @contextlib.contextmanager
