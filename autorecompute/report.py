@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autorecompute.budget import format_bytes
+from autorecompute.problem import GRADIENT
 
 if TYPE_CHECKING:
     from autorecompute.plan import Plan
@@ -95,10 +96,12 @@ def _quote(text: str) -> str:
 
 
 def plan_to_dot(plan: "Plan") -> str:
-    """Graphviz DOT: decided ops clustered by module, filled by action, bytes on edges, and a legend."""
+    """Graphviz DOT: the ops the plan decides or stashes activations of (every row of :meth:`Plan.table`:
+    with offload or compress alone there are no recompute decisions) clustered by module, filled by action,
+    bytes on edges, and a legend."""
     depth = group_depth([n.module for n in plan.nodes.values()])
     clusters: dict[str, list[str]] = defaultdict(list)
-    for name in plan.decisions:
+    for name in plan._ops():
         node = plan.nodes.get(name)
         clusters[_group_key(node.module if node else "", depth)].append(name)
     lines = ["digraph plan {",
@@ -225,7 +228,16 @@ def plan_to_html(plan: "Plan") -> str:
                      f"<td>{html.escape(row['module'])}</td><td>{'x'.join(map(str, row['shape']))}</td>"
                      f"<td>{row['dtype']}</td><td>{format_bytes(row['bytes'])}</td><td>{row['action']}</td>"
                      f"<td>{html.escape(row['why'])}</td></tr>")
-    parts.append("</table><h2>Graph</h2>")
+    parts.append("</table>")
+    gradients = [(name, record) for name, record in plan.stash.items() if name.startswith(GRADIENT)]
+    if gradients:    # the summary names the first few; every one here
+        parts.append(f"<h2>Parameter gradients offloaded ({len(gradients)})</h2><p>From their accumulation to the "
+                     "end of backward, then back in <code>.grad</code>.</p><table><tr><th>parameter</th>"
+                     "<th>bytes</th></tr>")
+        parts += [f"<tr><td>{html.escape(name[len(GRADIENT):])}</td><td>{format_bytes(record.nbytes)}</td></tr>"
+                  for name, record in gradients]
+        parts.append("</table>")
+    parts.append("<h2>Graph</h2>")
     try:
         parts.append(render_svg(plan.to_dot()))
     except RuntimeError as exc:

@@ -3,11 +3,12 @@ import json
 import shutil
 
 import pytest
+import torch
 
 import autorecompute
 import models
 from autorecompute.plan import SCHEMA_VERSION, Plan
-from autorecompute.report import GRAPHVIZ_MISSING
+from autorecompute.report import GRAPHVIZ_MISSING, plan_to_html
 from conftest import SOLVER_TIME
 
 MODELS = ("gpt", "resnet", "bert")
@@ -133,3 +134,23 @@ def test_a_deep_model_prints_one_line_per_block():
     assert "model.layers.0 30 ops: keep 30" in text and "smaller ops" not in text
     assert text.count("\n") < 60
     assert "scaled_dot_product_atte…" in format_table(type("One", (), {"table": lambda self: Deep().table()[:1]})())
+
+
+def test_graph_and_page_show_stash_only_plans_and_every_offloaded_gradient():
+    """With offload alone there are no recompute decisions: the graph still draws the ops whose tensors the
+    plan offloads (it drew none), and the HTML page lists every parameter gradient offloaded (the summary
+    names four; the rest were on no page)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.GELU()) for _ in range(8)])
+    x = torch.randn(512, 128)
+    offload_only = autorecompute.plan(model, x, budget=0.6, actions=("offload",), solver_time_limit=SOLVER_TIME)
+    owners = {record.owner for name, record in offload_only.stash.items() if not name.startswith("grad:")}
+    assert owners and not offload_only.decisions
+    dot = offload_only.to_dot()
+    assert all(f'"{owner}" [label=' in dot for owner in owners)
+    plan = autorecompute.plan(model, x, budget=0.5, solver_time_limit=SOLVER_TIME)
+    gradients = plan.gradients_offloaded()
+    assert gradients
+    page = plan_to_html(plan)
+    assert f"Parameter gradients offloaded ({len(gradients)})" in page
+    assert all(f"<td>{name}</td>" in page for name in gradients)
