@@ -254,7 +254,11 @@ class Plan:
 
     def gradients_offloaded(self) -> list[str]:
         """Parameters whose gradient goes to the offload tier from its accumulation to the end of backward."""
-        return [name[len(GRADIENT):] for name in self.stash if name.startswith(GRADIENT)]
+        return list(self._gradient_records())
+
+    def _gradient_records(self) -> dict[str, StashRecord]:
+        """The offloaded parameter gradients' records, by parameter name."""
+        return {name[len(GRADIENT):]: record for name, record in self.stash.items() if name.startswith(GRADIENT)}
 
     def _stash_lines(self) -> list[str]:
         lines = []
@@ -264,11 +268,11 @@ class Plan:
             moved = sum(r.saved_bytes for r in records)
             lines.append(f"  {action:<15} {len(records)} tensors, {format_bytes(moved)} off the device"
                          + ("" if records[0].expected_error == "exact" else f"; expected error {records[0].expected_error}"))
-        gradients = [r for name, r in self.stash.items() if name.startswith(GRADIENT)]
+        gradients = self._gradient_records()
         if gradients:
             lines.append(f"  gradients       {len(gradients)} offloaded from their accumulation to the end of backward, "
-                         f"{format_bytes(sum(r.nbytes for r in gradients))}: "
-                         + ", ".join(self.gradients_offloaded()[:4]) + (" …" if len(gradients) > 4 else ""))
+                         f"{format_bytes(sum(r.nbytes for r in gradients.values()))}: "
+                         + ", ".join(list(gradients)[:4]) + (" …" if len(gradients) > 4 else ""))
         return lines
 
     def __str__(self) -> str:

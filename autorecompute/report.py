@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autorecompute.budget import format_bytes
-from autorecompute.problem import GRADIENT
 
 if TYPE_CHECKING:
     from autorecompute.plan import Plan
@@ -229,13 +228,13 @@ def plan_to_html(plan: "Plan") -> str:
                      f"<td>{row['dtype']}</td><td>{format_bytes(row['bytes'])}</td><td>{row['action']}</td>"
                      f"<td>{html.escape(row['why'])}</td></tr>")
     parts.append("</table>")
-    gradients = [(name, record) for name, record in plan.stash.items() if name.startswith(GRADIENT)]
+    gradients = plan._gradient_records()
     if gradients:    # the summary names the first few; every one here
         parts.append(f"<h2>Parameter gradients offloaded ({len(gradients)})</h2><p>From their accumulation to the "
                      "end of backward, then back in <code>.grad</code>.</p><table><tr><th>parameter</th>"
                      "<th>bytes</th></tr>")
-        parts += [f"<tr><td>{html.escape(name[len(GRADIENT):])}</td><td>{format_bytes(record.nbytes)}</td></tr>"
-                  for name, record in gradients]
+        parts += [f"<tr><td>{html.escape(name)}</td><td>{format_bytes(record.nbytes)}</td></tr>"
+                  for name, record in gradients.items()]
         parts.append("</table>")
     parts.append("<h2>Graph</h2>")
     try:

@@ -167,13 +167,13 @@ def _warn_of_hooks(model: torch.nn.Module) -> None:
       graph has no module boundaries, so it never runs. Hooks on tensors — parameters' ``register_hook``
       and ``register_post_accumulate_grad_hook`` — do run, as does a hook on the compiled module itself.
     """
-    for tables, effect in (
-            (("_forward_hooks", "_forward_pre_hooks"),
+    for kind, tables, effect in (
+            ("forward", ("_forward_hooks", "_forward_pre_hooks"),
              "run once, while autorecompute captures the model: the tensor ops they apply are part of every "
              "step, but their other effects (storing activations, logging, counters) happen only at capture, "
              "not at each step. Fix: do that outside the compiled module (on its outputs), or compile a "
              "submodule without the hooks."),
-            (("_backward_hooks", "_backward_pre_hooks"),
+            ("backward", ("_backward_hooks", "_backward_pre_hooks"),
              "do not run in the compiled module: autorecompute runs the captured graph, which has no submodule "
              "boundaries for them to wrap. Fix: hook the parameters' gradients instead (p.register_hook(fn), "
              "or p.register_post_accumulate_grad_hook(fn): both run), hook the compiled module itself, or "
@@ -181,7 +181,6 @@ def _warn_of_hooks(model: torch.nn.Module) -> None:
         hooked = [path or type(model).__name__ for path, module in model.named_modules()
                   if any(getattr(module, table) for table in tables)]
         if hooked:
-            kind = tables[0][1:].split("_")[0]
             warnings.warn(f"{kind} hooks on {hooked[:3]}{' …' if len(hooked) > 3 else ''} {effect}",
                           UserWarning, stacklevel=2)
 
