@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import warnings
 import weakref
 from functools import partial
@@ -13,7 +14,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from autorecompute.budget import format_bytes, parse_budget
-from autorecompute.errors import PartialBackwardWarning, ReplanningWarning
+from autorecompute.errors import PartialBackwardWarning, ReplanningWarning, user_stacklevel
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
 from autorecompute.runtime.memory import (ALLOCATOR_SLACK, device_bytes_outside, output_tensors_for_backward,
@@ -77,18 +78,6 @@ def input_signature(args: tuple, kwargs: dict) -> str:
 # plans of one compiled module at which it warns, and again at each doubling: shapes that change every step
 # (sequences padded to each batch's longest) are planned again every step, as torch.compile recompiles
 MANY_SIGNATURES = 8
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` of a warning raised here that names the first caller outside autorecompute and
-    torch.nn (forward runs under nn.Module's call machinery, one frame more with hooks or Module.compile())."""
-    import sys
-
-    inside = (os.path.dirname(__file__), os.path.dirname(torch.nn.__file__))
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(inside):
-        level, frame = level + 1, frame.f_back
-    return level
 
 
 def gradient_state(model: torch.nn.Module) -> str:
@@ -166,18 +155,27 @@ def model_state(model: torch.nn.Module) -> int:
         >>> model_state(m) == before
         False
     """
+    return _state_hash(*_state_parts(model))
+
+
+def _state_parts(model: torch.nn.Module) -> tuple[tuple, tuple[int, ...]]:
+    """:func:`model_state`'s walk: (the values, the object ids), in the walk's order."""
     # (not the global hooks: instruments such as FlopCounterMode's module tracker register them around a step)
     state: list = []
     add = state.append
+    ids: list[int] = []      # object ids apart: a deep copy's are its originals' through copy's memo
     grads = []
     stack, seen = [model], set()
     while stack:
         module = stack.pop()
         if module is None or id(module) in seen:   # a child set to None; a module shared under two names
-            add(None if module is None else id(module))
+            if module is None:
+                add(None)
+            else:
+                ids.append(id(module))
             continue
         seen.add(id(module))
-        add(id(module))        # a submodule swapped for another (one without parameters: GELU for ReLU)
+        ids.append(id(module))     # a submodule swapped for another (one without parameters: GELU for ReLU)
         # plain attributes, ``training`` among them (the Module's own tables are dicts and sets)
         state += [value for value in module.__dict__.values() if type(value) in _PLAIN]
         if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks \
@@ -189,7 +187,7 @@ def model_state(model: torch.nn.Module) -> int:
         for name, tensor in module._parameters.items():
             add(name)
             if tensor is not None:      # ids: a replaced Parameter is another state (the graph reads the old one)
-                add(id(tensor))
+                ids.append(id(tensor))
                 add(tensor.dtype)
                 add(tensor.requires_grad)
                 if tensor.grad is not None:
@@ -197,7 +195,7 @@ def model_state(model: torch.nn.Module) -> int:
         for name, tensor in module._buffers.items():
             add(name)
             if tensor is not None:
-                add(id(tensor))
+                ids.append(id(tensor))
                 add(tensor.dtype)
         add(len(module._modules))
         for name, child in module._modules.items():
@@ -205,10 +203,14 @@ def model_state(model: torch.nn.Module) -> int:
             stack.append(child)
     if grads:       # gradient accumulation: the later micro-batches start with these resident
         add((len(grads), tensor_bytes(grads)))
+    return tuple(state), tuple(ids)
+
+
+def _state_hash(state: tuple, ids: tuple[int, ...]) -> int:
     try:
-        return hash(tuple(state))
+        return hash((state, ids))
     except TypeError:       # a tuple attribute holding a list or dict: its text stands for it
-        return hash(tuple(repr(value) if type(value) is tuple else value for value in state))
+        return hash((tuple(repr(value) if type(value) is tuple else value for value in state), ids))
 
 
 def step_signature(model: torch.nn.Module, args: tuple, kwargs: dict, inputs: str | None = None) -> str:
@@ -216,6 +218,14 @@ def step_signature(model: torch.nn.Module, args: tuple, kwargs: dict, inputs: st
     exist, the frozen parameters and the modes of the step."""
     inputs = input_signature(args, kwargs) if inputs is None else inputs
     return inputs + gradient_state(model) + frozen_state(model) + mode_state(model)
+
+
+def _without_gradients(signature: str) -> str:
+    """A signature without its :func:`gradient_state` part."""
+    return _GRADIENT_STATE.sub("", signature)
+
+
+_GRADIENT_STATE = re.compile(r" with gradients of \d+ parameters \([^)]*\)")
 
 
 def _reads_replaced_tensors(planned: Planned, model: torch.nn.Module) -> bool:
@@ -252,9 +262,9 @@ class CompiledModule(torch.nn.Module):
         self.__dict__["_budget"] = budget
         self.__dict__["_options"] = options
         self.__dict__["_plans"] = {}
+        self.__dict__["_states"] = {}          # each plan's model state (values, object ids), by key
         self.__dict__["_last"] = None
         self.__dict__["_watch"] = None         # a plan's first step's verdict, filled at the end of its backward
-        self.training = model.training
 
     def __deepcopy__(self, memo: dict) -> "CompiledModule":
         # plans and all: the copy's rewritten modules use the copy's parameters (the memo maps them)
@@ -262,13 +272,23 @@ class CompiledModule(torch.nn.Module):
         memo[id(self)] = copied
         for name, value in self.__getstate__(keep_plans=True).items():
             copied.__dict__[name] = copy.deepcopy(value, memo)
+        # each plan under the key of its state on the copy: the same values, the copies' object ids (the
+        # copy's first step found none of the keys, planned again and kept two plans per signature)
+        plans, states = {}, {}
+        for key, planned in copied._plans.items():
+            values, ids = self._states[key]
+            state = values, tuple(id(memo[i]) if i in memo else i for i in ids)
+            new_key = f"{key.rsplit(' ', 1)[0]} {_state_hash(*state)}"
+            plans[new_key], states[new_key] = planned, state
+        copied.__dict__.update(_plans=plans, _states=states)
         return copied
 
     def __copy__(self) -> "CompiledModule":
         # the same model, so the same plans: kept (in a cache of the copy's own); copy's default would go
         # through __getstate__ and drop them, planning again on the copy's first training call
         copied = type(self).__new__(type(self))
-        copied.__setstate__({**self.__getstate__(keep_plans=True), "_plans": dict(self._plans)})
+        copied.__setstate__({**self.__getstate__(keep_plans=True), "_plans": dict(self._plans),
+                             "_states": dict(self._states)})
         return copied
 
     def __getstate__(self, keep_plans: bool = False) -> dict:
@@ -278,7 +298,7 @@ class CompiledModule(torch.nn.Module):
         state = super().__getstate__()
         state.update(_watch=None)
         if not keep_plans:
-            state.update(_plans={}, _last=None)
+            state.update(_plans={}, _states={}, _last=None, _warned_at=None)
         return state
 
     @property
@@ -312,8 +332,22 @@ class CompiledModule(torch.nn.Module):
 
     def train(self, mode: bool = True) -> "CompiledModule":
         self._model.train(mode)
-        self.training = mode
         return self
+
+    @property
+    def training(self) -> bool:
+        """The model's mode: ``model.eval()`` on the original shows here too (code that reads the wrapper's
+        flag, a trainer's, must see the mode the step runs in)."""
+        model = self.__dict__.get("_model")
+        return model.training if model is not None else self.__dict__.get("_training", True)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        model = self.__dict__.get("_model")
+        if model is None:          # nn.Module.__init__, before the model is set
+            self.__dict__["_training"] = mode
+        else:
+            model.training = mode
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -339,7 +373,8 @@ class CompiledModule(torch.nn.Module):
         # state of their own: with gradient accumulation the later micro-batches start with them resident);
         # the readable signature only when planning
         inputs = input_signature(args, kwargs)
-        key = _cache_key(inputs, args, kwargs, model_state(self._model))
+        state = _state_parts(self._model)
+        key = _cache_key(inputs, args, kwargs, _state_hash(*state))
         planned = self._plans.get(key)
         new = planned is None or self._device_grew(planned, args, kwargs)
         if new:
@@ -347,15 +382,25 @@ class CompiledModule(torch.nn.Module):
             # objects; dropped, so they do not keep them alive
             for stale in [k for k, p in self._plans.items() if _reads_replaced_tensors(p, self._model)]:
                 del self._plans[stale]
+                self._states.pop(stale, None)
             signature = step_signature(self._model, args, kwargs, inputs)
             log.info("planning %s for %s", type(self._model).__name__, signature)
             with torch.random.fork_rng(devices=[]):   # planning must not move the user's RNG stream
                 planned = make_plan(self._model, args, kwargs, self._budget, self._options, signature)
             self._plans[key] = planned
+            self._states[key] = state
         self.__dict__["_last"] = planned
-        count = len(self._plans)
-        if new and count >= MANY_SIGNATURES and count & (count - 1) == 0:      # the 8th, 16th, 32nd... plan
-            same = sum(p.plan.signature == signature for p in self._plans.values())
+        # with gradient accumulation each step has two plans (its first micro-batch starts without gradients,
+        # the others with them): the larger of the two groups is counted, so that a few fixed shapes do not
+        # read as many
+        accumulating = [p for p in self._plans.values() if _GRADIENT_STATE.search(p.plan.signature)]
+        starting = [p for p in self._plans.values() if not _GRADIENT_STATE.search(p.plan.signature)]
+        group = max(starting, accumulating, key=len)
+        count = len(group)
+        if new and count >= MANY_SIGNATURES and count & (count - 1) == 0 \
+                and self.__dict__.get("_warned_at") != count:      # the 8th, 16th, 32nd... plan of a group
+            self.__dict__["_warned_at"] = count
+            same = sum(_without_gradients(p.plan.signature) == _without_gradients(signature) for p in group)
             if same > count // 2:       # mostly the same inputs: the model's state keeps changing
                 cause = (f"{same} of them for the same inputs ({signature}): the model's state changed before "
                          "each (a plain attribute such as dropout.p, a mode, hook, submodule or parameter). Fix: "
@@ -364,10 +409,12 @@ class CompiledModule(torch.nn.Module):
             else:
                 cause = (f"the latest {signature}. Fix: give the steps a few fixed shapes (pad sequences to a "
                          "multiple of 64 or to the longest, drop or pad the last batch)")
+            twins = len(self._plans) - count
+            also = f" (and {twins} for steps that start with other gradients)" if twins else ""
             warnings.warn(
-                f"autorecompute has made {count} plans for {type(self._model).__name__}: each new one is "
+                f"autorecompute has made {count} plans{also} for {type(self._model).__name__}: each new one is "
                 f"captured and solved again, seconds of planning, and its plan is kept; {cause}.",
-                ReplanningWarning, stacklevel=_user_stacklevel())
+                ReplanningWarning, stacklevel=user_stacklevel())
         return planned
 
     def _device_grew(self, planned: Planned, args: tuple, kwargs: dict) -> bool:
@@ -434,7 +481,7 @@ class CompiledModule(torch.nn.Module):
                 "alive: the activations only they need stayed on the device through that backward, which the plan "
                 "did not count, so the budget may not hold. Fix: detach the outputs no loss uses (return "
                 "out.detach(), or compute metrics under torch.no_grad()), or put every output into the loss.",
-                PartialBackwardWarning, stacklevel=_user_stacklevel())
+                PartialBackwardWarning, stacklevel=user_stacklevel())
 
 
 def _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective) -> PlannerOptions:

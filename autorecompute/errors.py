@@ -1,6 +1,9 @@
 """Typed errors. Each message names the cause and the way out."""
 from __future__ import annotations
 
+import os
+import sys
+
 from autorecompute.budget import format_bytes
 
 
@@ -29,6 +32,8 @@ class InfeasibleBudgetError(AutorecomputeError, ValueError):
         # what the model itself holds at the end of backward, whatever the actions and the batch
         state = sum(n for kind, n in breakdown.items() if kind in _MODEL_STATE)
         fixes = [f"pass budget>={minimum}"]
+        if budget < 1024:     # budget=1 meant as "all of it"
+            fixes[0] += " (an int budget is bytes: a fraction of the unoptimized peak is a float, 1.0 for all of it)"
         missing = tuple(a for a in ("recompute", "offload", "compress") if a not in actions)
         if budget < state:
             fixes.append(f"shrink the model: its parameters, buffers and gradients alone take {format_bytes(state)}"
@@ -64,3 +69,18 @@ class ReplanningWarning(UserWarning):
 class PartialBackwardWarning(UserWarning):
     """A step ran backward from only some of the outputs its plan expects gradients for: the others' saved
     activations stay on the device through that backward, which the plan did not count."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised by the caller of this function that names the first frame outside
+    autorecompute (its passes included) and torch.nn (forward runs under nn.Module's call machinery, one frame
+    more with hooks or Module.compile()): the user's line that made the step."""
+    import torch.nn
+
+    import autorecompute.passes
+
+    inside = (os.path.dirname(__file__), *autorecompute.passes.__path__, os.path.dirname(torch.nn.__file__))
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        level, frame = level + 1, frame.f_back
+    return level

@@ -21,7 +21,8 @@ checks both on every assignment of small problems). Regions are the maximal runs
 * a chain rematerialization of ``t`` (``"rematerialize:chain"``) also replaces the held interval of each
   activation ``d`` it delivers by ``[t's restored_from, d.save_end]`` (see :func:`effective_stash`);
 * a rematerialization from the model's inputs (``"rematerialize:through"``) adds its recipe's temporaries
-  (``transient_bytes``) at ``restored_from``, while it runs.
+  (``transient_bytes``) at ``restored_from``, while it runs; a scaled compress codec its decoding's there and
+  its encoding's (``packing_bytes``) at ``stored_from``.
 * a region that makes its inputs from the region before it again (:func:`remakes`) does not hold what
   that region's ops own, holds that region's inputs, makes the tensors it saves among them again with its
   own (alive from its earliest saver of them to its end), and adds the remaking's tensors while it runs
@@ -279,8 +280,10 @@ def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None
         if option is not None:     # (effective: a kept saver holds it, no region does)
             yield act, option.stored_from, act.save_end, "stashed", option.stored_bytes
             yield act, option.restored_from, act.save_end, "stashed", act.nbytes
-            if option.transient_bytes:   # the recipe's temporaries, while it runs
+            if option.transient_bytes:   # the recipe's (the decoding's) temporaries, while it runs
                 yield act, option.restored_from, option.restored_from, "stashed", option.transient_bytes
+            if option.packing_bytes:     # the encoding's, in forward
+                yield act, option.stored_from, option.stored_from, "stashed", option.packing_bytes
         elif act.name in made_by:
             yield act, made_by[act.name].restored_from, act.save_end, "stashed", act.nbytes
         elif hold_end >= act.hold_start:

@@ -280,6 +280,13 @@ class Plan:
 
         return self.summary() + "\n" + format_table(self)
 
+    def __repr__(self) -> str:
+        # one line (the generated repr spelled out every node record and the timeline: 37 KB on a small GPT-2,
+        # so that printing ``compiled.plans`` flooded a terminal); ``str`` and ``summary()`` say the rest
+        return (f"<Plan for {self.model_name or 'model'} {self.signature}: budget {format_bytes(self.budget)}, "
+                f"predicted peak {format_bytes(self.predicted_peak)}, {self.count('recompute')} of "
+                f"{len(self.decisions)} ops recomputed, {len(self.stash)} tensors stashed>")
+
     def to_dot(self) -> str:
         """Graphviz DOT of the decided ops: clusters per module, filled by action, bytes on edges, a legend."""
         from autorecompute.report import plan_to_dot

@@ -86,7 +86,9 @@ class StashOption:
         transient_bytes: device bytes the recipe's temporaries add at ``restored_from`` while it runs: their
             peak besides its result, less what that backward event allocates after it unpacks its saved
             tensors (``"rematerialize:through"``, which makes saved tensors again on its way without
-            handing them over).
+            handing them over). A scaled compress codec's decoding temporaries, likewise.
+        packing_bytes: device bytes a compress codec's encoding temporaries add at ``stored_from`` while it
+            runs (:meth:`Codec.transient_bytes`).
     """
 
     action: str
@@ -99,6 +101,7 @@ class StashOption:
     recipe: tuple[str, ...] = ()
     delivers: tuple[str, ...] = ()
     transient_bytes: int = 0
+    packing_bytes: int = 0
 
 
 @dataclass(frozen=True)

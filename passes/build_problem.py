@@ -288,8 +288,10 @@ def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forw
             cast_cost = (device.seconds_to_cost(device.stash_seconds + 2 * device.op_seconds
                                                 + (stored + act.nbytes) / device.memory_bytes_per_second)
                          + LOSSY_COST[name] * act.nbytes)
+            packing, unpacking = chosen.transient_bytes(tuple(tensor.shape), dtype)
             options.append(StashOption(f"compress:{name}", stored_bytes=stored, stored_from=pack,
-                                       restored_from=first_use, cost=1 + cast_cost))
+                                       restored_from=first_use, cost=1 + cast_cost, transient_bytes=unpacking,
+                                       packing_bytes=packing))
     return tuple(options)
 
 

@@ -42,7 +42,11 @@ def test_no_grad_passes_through_and_eval_mode_with_autograd_is_planned():
     assert compiled.plan is not None and compiled.plan.signature.endswith(" in eval mode")
     assert measured.peak <= compiled.plan.budget
     compiled.train()
-    assert case.model.training
+    assert case.model.training and compiled.training
+    case.model.eval()                       # the original's mode is the wrapper's (a trainer reads the wrapper)
+    assert not compiled.training
+    case.model.train()
+    assert compiled.training
 
 
 class Tuned(torch.nn.Module):
@@ -292,6 +296,25 @@ def test_many_input_signatures_warn_with_the_fix():
     assert f"{MANY_SIGNATURES} of them for the same inputs" in str(warning.message)
     assert "as an input" in str(warning.message)
 
+    # gradient accumulation over a few fixed shapes: two plans per shape (its first micro-batch starts without
+    # gradients), one kind of step each: no warning until the shapes themselves are many
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16))
+    compiled = autorecompute.compile(model, budget=1.0, solver_time_limit=0.2)
+
+    def accumulated_step(batch: int) -> list:
+        model.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                compiled(torch.randn(batch, 16)).sum().backward()
+        return [w for w in caught if issubclass(w.category, autorecompute.ReplanningWarning)]
+
+    assert not any(accumulated_step(batch) for batch in range(1, MANY_SIGNATURES))
+    assert len(compiled.plans) == 2 * (MANY_SIGNATURES - 1)
+    (warning,) = accumulated_step(MANY_SIGNATURES)
+    assert f"made {MANY_SIGNATURES} plans (and {MANY_SIGNATURES - 1} for steps that start with other gradients)" \
+        in str(warning.message)                                # at the 8th shape's first micro-batch, once
+
 
 def test_every_micro_batch_of_gradient_accumulation_fits_the_budget():
     """From the second micro-batch of gradient accumulation on, a step starts with every gradient resident,
@@ -463,6 +486,8 @@ def test_a_compiled_module_with_offload_copies_and_saves(copy_of, tmp_path):
     assert copied._plans is not compiled._plans                      # a cache of its own
     assert all(a is b for a, b in zip(copied.parameters(), copied.model.parameters()))
     step = measured_step(copied, copied.model, case.args, case.kwargs, seed=1)
+    if copy_of in ("deepcopy", "copy"):     # its step used the plan it has (the deep copy's made another)
+        assert copied.plans.keys() == compiled.plans.keys()
     assert copied.plan.decisions == compiled.plan.decisions
     assert {n: r.action for n, r in copied.plan.stash.items()} == {n: r.action for n, r in compiled.plan.stash.items()}
     assert step.peak <= compiled.plan.budget
@@ -508,6 +533,8 @@ def test_the_infeasible_budget_fix_names_only_what_can_help():
     assert str(everything).endswith("Fix: pass budget>=2600, or shrink the batch.")
     fewer = autorecompute.InfeasibleBudgetError(2200, 2600, breakdown, ("recompute",))
     assert "actions=('recompute', 'offload')" in str(fewer) and " or or " not in str(fewer)
+    one_byte = autorecompute.InfeasibleBudgetError(1, 2600, breakdown, ("recompute",))   # budget=1 meant as "all"
+    assert "an int budget is bytes: a fraction of the unoptimized peak is a float, 1.0 for all of it" in str(one_byte)
 
 
 def test_a_fraction_of_a_model_that_checkpoints_itself_warns():
@@ -631,3 +658,23 @@ def test_compiling_a_compiled_module_plans_its_model():
     outer = torch.nn.Sequential(first, torch.nn.ReLU())
     with pytest.raises(ValueError, match=r"holds modules compiled by autorecompute already \(\['0'\]\).*Fix:"):
         autorecompute.compile(outer, budget=0.5)
+
+
+def test_the_callers_trackers_see_the_first_step_not_its_planning():
+    """A ``LiveStorageTracker`` or ``FlopCounterMode`` around the first training call (which plans) measured the
+    planner's fake steps as the step's own: the first call now measures what the second does."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autorecompute.runtime.memory import LiveStorageTracker
+
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)])
+    compiled = autorecompute.compile(model, budget=0.8, solver_time_limit=SOLVER_TIME)
+    x = torch.randn(256, 64)
+    measured = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        tracker, flops = LiveStorageTracker(), FlopCounterMode(display=False)
+        with tracker, flops:
+            compiled(x).sum().backward()
+        measured.append((tracker.peak, flops.get_total_flops()))
+    assert measured[0] == measured[1]

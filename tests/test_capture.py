@@ -56,6 +56,25 @@ def test_attention_without_dropout_stays_one_fused_op():
     assert targets(capture(Attention(0.0), (x,), {})).count(SDPA) == 1
 
 
+def test_attention_under_autocast_stays_one_op_and_trains_as_eager():
+    """Under CPU autocast eager runs SDPA's math composite below autocast (its casts chosen once by the
+    autocast kernel); inlined, each of its ops would be cast again when the graph runs (gradients off by
+    up to 0.25 on this block). Captured under autocast the call stays one node, and the compiled step, its
+    dropout included, is eager's bit for bit."""
+    x = torch.randn(2, 16, 32)
+    model = Attention(0.1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert targets(capture(model, (x,), {})).count(SDPA) == 1
+    compiled = autorecompute.compile(model, budget=1.0, solver_time_limit=1)
+    results = []
+    for module in (model, compiled):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if module is compiled:
+                compiled.prepare(x)
+            results.append(measured_step(module, model, (x,), {}, seed=5))
+    assert_bitwise_equal(*results)
+
+
 def test_masked_probabilities_can_be_rematerialized_without_flops():
     """The probabilities after dropout (softmax output × mask) are an elementwise product of two tensors
     autograd keeps anyway: a rematerialization that runs no FLOPs — what SDPA as one op could not offer."""
@@ -249,3 +268,24 @@ def test_a_custom_autograd_function_is_refused_not_differentiated_otherwise():
 
     assert capture(Reentrant(), (torch.randn(2, 8, requires_grad=True),), {}) is not None
     assert type(torch.autograd.Function.__dict__["apply"]).__name__ != "function"   # the original, restored
+
+
+class AutocastInside(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.b(torch.tanh(self.a(x)))
+        return y.float()
+
+
+def test_autocast_entered_inside_forward_is_named_with_the_fix():
+    """``torch.export`` keeps an autocast region inside forward as one op, whose activations the planner can
+    neither recompute nor offload: the warning says so and how to enter autocast instead, at the user's line."""
+    compiled = autorecompute.compile(AutocastInside(), budget=1.0, solver_time_limit=0.5)
+    with pytest.warns(UserWarning, match=r"enters torch.autocast inside forward.*1 region, 3 ops inside.*Fix: "
+                                         r"enter torch.autocast around the call") as caught:
+        compiled(torch.randn(4, 16)).sum().backward()
+    assert {w.filename for w in caught if "autocast" in str(w.message)} == {__file__}

@@ -92,6 +92,15 @@ def test_printed_plan_has_summary_and_a_folded_table(plan):
         assert record.action in text
 
 
+def test_repr_is_one_line_naming_the_step_and_its_outcome(plan):
+    """``repr`` (what a dict of plans prints) is one line: the dataclass's own spelled out every node record
+    and the timeline (37 KB for a small GPT-2)."""
+    text = repr(plan)
+    assert "\n" not in text and len(text) < 300
+    assert plan.signature in text and plan.model_name in text
+    assert f"{plan.count('recompute')} of {len(plan.decisions)} ops recomputed" in text
+
+
 def test_saving_an_unknown_format_is_an_error(plan, tmp_path):
     with pytest.raises(ValueError, match=r"\.dot, \.svg, \.json, \.html or \.png"):
         plan.save(str(tmp_path / "plan.pdf"))

@@ -2,6 +2,7 @@
 cheapest mix on hand-built cases (offload free when compute hides the copy, recompute cheaper otherwise)."""
 import itertools
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -68,6 +69,22 @@ def test_rematerialize_needs_its_op_and_inputs_on_the_device():
     assert extra_cost(p, result.recompute, result.stash) == 7
 
 
+@pytest.mark.parametrize("packing", [50 * KIB, 250 * KIB])
+def test_a_codecs_temporaries_count_where_it_encodes_and_decodes(packing):
+    """Compressing t0 stores a quarter of it from its saver (position 1) and decodes it at 4: the codec's
+    encoding temporaries at 1 and decoding ones at 4 are memory too — in the model and in CP-SAT, whose
+    minimum-peak plan compresses only while they stay below keeping t0 (200 KiB at position 3)."""
+    p = two_layer(offload_cost=5, recompute_cost=100)
+    compress = StashOption("compress:int8", 25 * KIB, 1, 4, 3, transient_bytes=10 * KIB, packing_bytes=packing)
+    p = Problem(**{**p.__dict__, "recomputable": frozenset(), "stash_options": {"t0": (compress,)}})
+    assert memory_timeline(p, {}, {"t0": "compress:int8"}) == [0, 25 * KIB + packing, 25 * KIB, 125 * KIB,
+                                                             135 * KIB, 0]
+    lowest = cpsat.solve(p, minimize="peak", time_limit=5)
+    assert lowest.status == "optimal"
+    assert lowest.stash == ({"t0": "compress:int8"} if 25 * KIB + packing < 200 * KIB else {})
+    assert lowest.objective == min(predicted_peak(p, r, s) for r, s in all_decisions(p))
+
+
 def test_offload_chosen_when_the_copy_is_hidden():
     p = two_layer(offload_cost=5, recompute_cost=100)
     budget = 100 * KIB
@@ -127,7 +144,10 @@ def random_problems(draw):
                                     draw(st.integers(1, 9)))]
                 if draw(st.booleans()):
                     opts.append(StashOption("compress:int8", nbytes // 4, min(int(s[2:]) for s in savers),
-                                            first_use, draw(st.integers(1, 9))))
+                                            first_use, draw(st.integers(1, 9)),
+                                            # the codec's temporaries while it decodes and encodes
+                                            transient_bytes=draw(st.sampled_from([0, 800])),
+                                            packing_bytes=draw(st.sampled_from([0, 2500, 6000]))))
                 if draw(st.booleans()):     # made again by its op, which (and an input's saver) must be kept
                     earlier = [a.name for a in acts if a.name != name]
                     opts.append(StashOption(

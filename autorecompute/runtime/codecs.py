@@ -54,10 +54,39 @@ class Codec:
         """Only floating tensors wider than the stored type are worth compressing."""
         return dtype.is_floating_point and dtype.itemsize > self.itemsize
 
+    def transient_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
+        """Device bytes the codec's temporaries add while it (encodes, decodes) a ``dtype`` tensor of ``shape``,
+        beside the tensors it reads and writes: none for a cast; for a scaled codec, float32 chunks of
+        :func:`chunk_elements` elements — encode: a float32 copy (unless already float32) and the scaled
+        values, or the scaled values and their stored cast; decode: the float32 values and their product with
+        the scale, or the product and its cast back. Measured by ``tests/test_codecs.py``."""
+        scales = _scale_count(self.name, shape)
+        if scales == 0:
+            return 0, 0
+        n = chunk_elements(self.name, shape)
+        encode = 8 * n if dtype != torch.float32 else (4 + self.itemsize) * n
+        if scales > 1:       # the per-channel maxima beside them: an upper bound, equal from a few rows on
+            encode += 4 * scales
+        # decoding chunks by channel only where there is more than one scale (as _scaled_decode reads them)
+        m = n if scales > 1 else chunk_elements("float8", shape)
+        return encode, max(8, 4 + dtype.itemsize) * m
+
 
 def channel_dim(shape: tuple[int, ...]) -> int:
     """The channel dimension of an activation: 1 for images (N, C, H, W), else the last (features)."""
     return 1 if len(shape) == 4 else len(shape) - 1
+
+
+def _channel(name: str, shape: tuple[int, ...]) -> int | None:
+    """The dimension a scaled codec keeps one scale per entry of (None: one scale for the tensor)."""
+    return channel_dim(shape) if name == "int8" and len(shape) >= 2 else None
+
+
+def chunk_elements(name: str, shape: tuple[int, ...]) -> int:
+    """Elements a scaled codec converts at a time for a tensor of ``shape`` (what its temporaries hold)."""
+    outer, channels, inner = _rows_shape(shape, _channel(name, shape))
+    per_row = max(1, channels * inner)
+    return min(outer, max(1, _CHUNK // per_row)) * per_row
 
 
 def _scale_count(name: str, shape: tuple[int, ...]) -> int:
@@ -77,14 +106,23 @@ def _cast(dtype: torch.dtype):
     return encode, decode
 
 
-def _rows(x: torch.Tensor, channel: int | None) -> torch.Tensor:
-    """``x`` as (outer, C, inner) — C the channel dimension, 1 without one — a view when ``x`` is contiguous."""
+def _rows_shape(shape: tuple[int, ...], channel: int | None) -> tuple[int, int, int]:
+    """(outer, C, inner): C the channel dimension's size; without one, every element a row of its own (so
+    that a per-tensor scale's conversion is chunked too)."""
+    numel = 1
+    for size in shape:
+        numel *= size
     if channel is None:
-        return x.reshape(1, 1, -1)
+        return numel, 1, 1
     outer = 1
-    for size in x.shape[:channel]:
+    for size in shape[:channel]:
         outer *= size
-    return x.reshape(outer, x.shape[channel], -1)
+    return outer, shape[channel], numel // max(1, outer * shape[channel])
+
+
+def _rows(x: torch.Tensor, channel: int | None) -> torch.Tensor:
+    """``x`` as (outer, C, inner) (:func:`_rows_shape`), a view when ``x`` is contiguous."""
+    return x.reshape(_rows_shape(tuple(x.shape), channel))
 
 
 def _chunks(rows: torch.Tensor):
@@ -102,6 +140,7 @@ def _finite_amax(rows: torch.Tensor) -> torch.Tensor:
     for part in _chunks(rows):
         chunk = torch.nan_to_num(rows[part].float(), nan=0.0, posinf=0.0, neginf=0.0).abs_()
         amax = torch.maximum(amax, chunk.amax(dim=(0, 2), keepdim=True))
+        del chunk       # before the next chunk is made: one chunk's temporaries at a time
     return amax
 
 
@@ -115,24 +154,23 @@ def _scaled_encode(x: torch.Tensor, channel: int | None, limit: float, dtype: to
         if rounding:
             scaled = scaled.round_().clamp_(-limit, limit)
         out[part] = scaled.to(dtype)
+        del scaled
     return out.view(x.shape), scale.reshape(-1)
 
 
 def _float8_encode(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return _scaled_encode(x, None, 448.0, torch.float8_e4m3fn, rounding=False)
+    return _scaled_encode(x, _channel("float8", tuple(x.shape)), 448.0, torch.float8_e4m3fn, rounding=False)
 
 
 def _int8_encode(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     # no channels below 2-D: one scale for the tensor
-    return _scaled_encode(x, channel_dim(tuple(x.shape)) if x.dim() >= 2 else None, 127.0, torch.int8,
-                          rounding=True)
+    return _scaled_encode(x, _channel("int8", tuple(x.shape)), 127.0, torch.int8, rounding=True)
 
 
 def _scaled_decode(stored: tuple[torch.Tensor, ...], original: torch.dtype) -> torch.Tensor:
     """Back to ``original``, multiplying in float32 (a bf16/fp16 scale would round away small values)."""
     values, scale = stored
-    channel = channel_dim(tuple(values.shape)) if values.dim() >= 2 and scale.numel() > 1 else None
-    rows = _rows(values, channel)
+    rows = _rows(values, _channel("int8", tuple(values.shape)) if scale.numel() > 1 else None)
     scale = scale.reshape(1, -1, 1)
     out = torch.empty(rows.shape, dtype=original, device=values.device)
     for part in _chunks(rows):

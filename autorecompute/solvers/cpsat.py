@@ -353,8 +353,9 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
                         model.add_implication(var, ~other)
                 add_piece(option.stored_from, act.save_end, option.stored_bytes, var)
                 add_piece(option.restored_from, act.save_end, act.nbytes, var)
-                # ... and its recipe's temporaries while it runs
+                # ... and its recipe's (its codec's) temporaries while it runs
                 add_piece(option.restored_from, option.restored_from, option.transient_bytes, var)
+                add_piece(option.stored_from, option.stored_from, option.packing_bytes, var)
             for option, var in deliveries.get(act.name, ()):
                 # made again by a chain rematerialization: back from where that one is
                 add_piece(option.restored_from, act.save_end, act.nbytes, var)
@@ -387,7 +388,8 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
         previous = a
 
     # Memory at every position, through a running sum (linear in the number of pieces).
-    transients = sum(-(-o.transient_bytes // unit) for options in problem.stash_options.values() for o in options)
+    transients = sum(-(-o.transient_bytes // unit) - (-o.packing_bytes // unit)
+                     for options in problem.stash_options.values() for o in options)
     ceiling = (max(max(problem.fixed), 0) // unit + 1 + 2 * upper + transients)
     peak = model.new_int_var(0, ceiling, "peak")
     running = 0

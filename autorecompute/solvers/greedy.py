@@ -45,7 +45,7 @@ def segment_plan(problem: Problem, segments: int) -> dict[str, bool]:
 def device_bytes(act, option) -> int:
     """Byte-positions ``act`` occupies on the device between forward and backward when stashed by ``option``."""
     return (option.stored_bytes * (act.save_end - option.stored_from + 1)
-            + act.nbytes * (act.save_end - option.restored_from + 1) + option.transient_bytes)
+            + act.nbytes * (act.save_end - option.restored_from + 1) + option.transient_bytes + option.packing_bytes)
 
 
 def stash_all(problem: Problem, recompute: dict[str, bool], prefer: str = "memory",
