@@ -1,0 +1,151 @@
+"""How planning holds up as decoders get deeper: Hugging Face GPT-2 and Llama at 3, 6 and 12 layers.
+
+    python benchmarks/depth.py      # about 5 min on 2 cores; writes benchmarks/results/depth.json and
+                                    # docs/benchmarks-depth.md
+
+The suite's models have three layers; real decoders have 12 to 80, and the planning problem grows with the
+ops (about 70 a layer). Per depth, at the widths and batch of the suite (batch 4, 64 tokens): naive √N over
+the graph's articulation points (its measured peak and extra FLOPs), our least-FLOPs plan at that peak with
+the suite's 6-s solver limit (extra FLOPs against √N's: goal 1 of the suite), its measured peak, plan time
+and solver status, and the recompute-only minimum peak against √N's (goal 2a).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import autorecompute  # noqa: E402
+import models  # noqa: E402
+from autorecompute.budget import format_bytes  # noqa: E402
+from harness import measured_step  # noqa: E402
+from suite import RECOMPUTE, minimum_peak, sqrt_n_module, step_flops  # noqa: E402
+
+DEPTHS = (3, 6, 12)
+LIMIT = 6.0
+
+
+def decoder(kind: str, layers: int) -> models.Case:
+    """The suite's GPT-2 / Llama (tests/models.py) with ``layers`` layers, same seed, widths and inputs."""
+    t = models._quiet_transformers()
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = t.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=256, n_positions=128, use_cache=False,
+                           bos_token_id=0, eos_token_id=0)
+        model = t.GPT2LMHeadModel(cfg)
+    else:
+        cfg = t.LlamaConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=192, vocab_size=256, max_position_embeddings=128, use_cache=False,
+                            attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model = t.LlamaForCausalLM(cfg)
+    return models.Case(kind, model, (torch.randint(0, 256, (4, 64)),))
+
+
+def without_gradients(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None     # every measurement and plan starts from a step without gradients
+
+
+def row(kind: str, layers: int) -> dict:
+    case = decoder(kind, layers)
+    model = case.model
+    eager_flops = step_flops(model, case)
+    without_gradients(model)
+    sqrt_n = sqrt_n_module(case)
+    sqrt_peak = measured_step(sqrt_n, model, case.args, case.kwargs, seed=1).peak
+    without_gradients(model)
+    sqrt_extra = step_flops(sqrt_n, case) - eager_flops
+    without_gradients(model)
+    started = time.perf_counter()
+    compiled = autorecompute.compile(model, budget=sqrt_peak, solver_time_limit=LIMIT, actions=RECOMPUTE,
+                                     objective="flops")
+    plan = compiled.prepare(*case.args)
+    plan_time = time.perf_counter() - started
+    peak = measured_step(compiled, model, case.args, case.kwargs, seed=1).peak
+    without_gradients(model)
+    extra = step_flops(compiled, case) - eager_flops
+    without_gradients(model)
+    minimum = minimum_peak(case, LIMIT)
+    return {"model": kind, "layers": layers, "ops": len(plan.decisions), "sqrt_n_peak": sqrt_peak,
+            "sqrt_n_extra_flops_ratio": sqrt_extra / eager_flops, "extra_flops_ratio": extra / eager_flops,
+            "vs_sqrt_n": extra / sqrt_extra if sqrt_extra else 0.0, "peak": peak, "fits": peak <= sqrt_peak,
+            "plan_time": plan_time, "solver": plan.solver_status, "minimum_peak": minimum,
+            "minimum_vs_sqrt_n": minimum / sqrt_peak}
+
+
+def write_markdown(rows: list[dict], path: Path) -> None:
+    lines = [
+        "# Planning deeper decoders",
+        "",
+        "`python benchmarks/depth.py` (2 CPU cores). The suite's GPT-2 and Llama ([benchmarks.md](benchmarks.md)) "
+        "with 3, 6 and 12 layers, same widths, batch 4 × 64 tokens. *At √N's peak*: our least-FLOPs plan with "
+        "the budget set to the peak that naive √N over the graph's articulation points measures (the suite's "
+        f"goal 1: extra FLOPs ≤ 0.5× √N's), solver limit {LIMIT:g} s. *Minimum*: the recompute-only minimum peak "
+        "against √N's (goal 2a: ≤ 0.8×).",
+        "",
+        "| model | layers | ops | √N peak | √N +FLOPs | ours +FLOPs at √N's peak | vs √N | measured ≤ budget "
+        "| plan time | solver | minimum / √N peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['layers']} | {r['ops']} | {format_bytes(r['sqrt_n_peak'])} "
+                     f"| {100 * r['sqrt_n_extra_flops_ratio']:.1f}% | {100 * r['extra_flops_ratio']:.1f}% "
+                     f"| {r['vs_sqrt_n']:.2f}× | {'yes' if r['fits'] else '**no**'} | {r['plan_time']:.0f} s "
+                     f"| {r['solver']} | {r['minimum_vs_sqrt_n']:.2f}× |")
+    lines += ["", PROSE, ""]
+    path.write_text("\n".join(lines))
+
+
+PROSE = """**Reading it.** Every plan measures within its budget at every depth. GPT-2 stays well ahead of √N
+(no extra FLOPs at its peak up to 6 layers, 0.54× at 12). Llama does not: 0.53× √N's extra FLOPs with 3 layers,
+0.71× with 6 and 0.90× with 12, and its recompute-only minimum goes from 0.79× to 0.91× of √N's peak — goals 1
+and 2a hold at the suite's size only. What runs out is the search, not the budget:
+
+* CP-SAT's model grows with the ops (about 70 a layer) and from 6 Llama layers (448 ops) finds no plan within
+  the limit (`heuristic (cp-sat unknown)`): its presolve does not finish in the deterministic time the limit
+  buys. Given 100 units of deterministic time instead of about one (a 218-s plan) the 12-layer plan is the same.
+* On chains over 64 ops CP-SAT bounds how long a region holds its inputs from above (`EXACT_REGIONS_UP_TO`),
+  so it counts the heuristic's 12-layer plan 0.45% above the memory model: at a budget equal to that plan's
+  peak, √N's, its hint is infeasible to CP-SAT. With 0.5% more budget and no presolve CP-SAT keeps the hint
+  and improves nothing in 6 s.
+* The plan is then the heuristic's start — √N over articulation points, in effect — and the cost local search
+  finds no op to keep with one compensating change that still fits (3, 12 and 36 M of work: the same plan).
+
+Deeper models are where planning must scale next: one layer's decisions solved for all the identical layers
+at once (`Problem.repeats` already ties them in the minimum-peak local search, not yet in the cost search), a
+coarser model of the positions, or the exact region rule at that size; the suite's three-layer models do not
+show this."""
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report-only", action="store_true", help="rewrite the page from depth.json")
+    args = parser.parse_args(argv)
+    results = ROOT / "benchmarks" / "results" / "depth.json"
+    if args.report_only:
+        write_markdown(json.loads(results.read_text()), ROOT / "docs" / "benchmarks-depth.md")
+        return
+    torch.set_num_threads(2)
+    rows = []
+    for kind in ("gpt2", "llama"):
+        for layers in DEPTHS:
+            r = row(kind, layers)
+            print(f"{kind} {layers} layers: {r['ops']} ops, vs √N {r['vs_sqrt_n']:.2f}x, "
+                  f"minimum {r['minimum_vs_sqrt_n']:.2f}x √N's peak, plan {r['plan_time']:.0f} s, {r['solver']}",
+                  flush=True)
+            rows.append(r)
+    results.write_text(json.dumps(rows, indent=1))
+    write_markdown(rows, ROOT / "docs" / "benchmarks-depth.md")
+
+
+if __name__ == "__main__":
+    main()
