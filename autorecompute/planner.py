@@ -11,6 +11,7 @@ import logging
 import numbers
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator
@@ -19,11 +20,11 @@ import torch
 import torch.fx
 
 from autorecompute.budget import parse_budget, resolve_budget
-from autorecompute.errors import InfeasibleBudgetError
+from autorecompute.errors import InfeasibleBudgetError, user_stacklevel
 from autorecompute.memory_model import (REMAKE, effective_stash, extra_cost, extra_flops, held_at, memory_components,
                                          memory_timeline, predicted_peak, region_ids, remakes)
 from autorecompute.passes.build_problem import build_problem
-from autorecompute.passes.capture import capture
+from autorecompute.passes.capture import autocast_active, capture
 from autorecompute.passes.profile import node_info, step_profile, profile_step
 from autorecompute.passes.rewrite_calls import rewrite_calls
 from autorecompute.passes.rewrite_recompute import rewrite_recompute
@@ -195,6 +196,11 @@ def _unseen_by_callers_modes() -> Iterator[None]:
 def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options: PlannerOptions,
                signature: str) -> Planned:
     started = time.perf_counter()
+    if _device_type(args, kwargs) == "meta" and autocast_active():
+        warnings.warn("torch.autocast does not apply to tensors on the meta device: this plan is for the step "
+                      "without autocast (its activations in the model's dtype, so larger). Fix: plan on the device "
+                      "the steps run on, or convert the model to the low-precision dtype (model.bfloat16()) to "
+                      "size it on meta.", UserWarning, stacklevel=user_stacklevel())
     parsed = parse_budget(budget)
     gm = capture(model, args, kwargs)
     log.debug("capture: %.2f s, %d nodes", time.perf_counter() - started, len(gm.graph.nodes))

@@ -48,6 +48,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
         CaptureError: when ``torch.export`` cannot trace the model; the message names the construct.
     """
     _refuse_sparse_gradients(model)
+    _refuse_cumulative_batch_norm(model)
     _warn_of_hooks(model)
     try:
         with _eager_mask_decisions(model, args, kwargs), _quiet_fake_tensor_log(), \
@@ -57,6 +58,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
         raise CaptureError(_capture_failure(model, exc)) from exc
     _refuse_custom_backward(model, functions)
     gm = exported.module()
+    _refuse_data_dependent_shapes(gm, model)
     _warn_of_autocast_regions(gm, model)
     _share_state_with(gm, model)
     _drop_guards_and_asserts(gm)
@@ -156,6 +158,49 @@ def _refuse_sparse_gradients(model: torch.nn.Module) -> None:
                 "whose size depends on the indices' values: autorecompute cannot bound their memory.\n"
                 "  Fix: construct it with sparse=False (dense gradients, what most optimizers take), or run it "
                 "outside autorecompute.compile and compile the rest of the model.")
+
+
+def _refuse_cumulative_batch_norm(model: torch.nn.Module) -> None:
+    """``BatchNorm(momentum=None)`` in training averages its statistics over every batch seen, with a factor
+    ``1 / num_batches_tracked`` read from the buffer's value: export fails on it with a data-dependent guard
+    that names neither the module nor a fix a user can apply to a stock module."""
+    for path, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.momentum is None \
+                and module.training and module.track_running_stats:
+            raise CaptureError(
+                f"{type(module).__name__} {path or type(model).__name__!r} has momentum=None (a cumulative moving "
+                "average): its update factor 1/num_batches_tracked is read from a buffer's value at every step, "
+                "which a captured graph cannot do.\n"
+                "  Fix: give it a numeric momentum (momentum=0.1 is PyTorch's default), or compile the submodules "
+                "around it and run it outside autorecompute.compile.")
+
+
+def _refuse_data_dependent_shapes(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """A tensor whose shape depends on values (boolean-mask indexing ``x[x > 0]``, ``masked_select``,
+    ``nonzero``): its bytes are not known until the step runs, so no plan can bound them. torch.export traces
+    it with a symbolic size; planning then failed with an untyped fake-tensor exception."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and free_unbacked_symbols(value):
+            where = _innermost_frame(node.meta.get("stack_trace") or "")
+            raise CaptureError(
+                f"{type(model).__name__} makes a tensor whose shape depends on its values ({node.target}, shape "
+                f"{tuple(value.shape)}){f' at {where}' if where else ''}: boolean-mask indexing, masked_select or "
+                "nonzero. autorecompute plans memory before the step runs and cannot bound such a tensor.\n"
+                "  Fix: keep the shape fixed (torch.where(mask, x, 0), or multiply by the mask and divide by its "
+                "sum), or compile the submodules before it and run that part outside autorecompute.compile.")
+
+
+def _innermost_frame(stack_trace: str) -> str | None:
+    """The last ``File ...`` line of a node's recorded stack trace, with its code line when recorded."""
+    lines = [line.strip() for line in stack_trace.splitlines() if line.strip()]
+    files = [i for i, line in enumerate(lines) if line.startswith("File ")]
+    if not files:
+        return None
+    i = files[-1]
+    return lines[i] + (f": {lines[i + 1]}" if i + 1 < len(lines) else "")
 
 
 def _warn_of_hooks(model: torch.nn.Module) -> None:
@@ -276,7 +321,7 @@ def _inline_math_attention(gm: torch.fx.GraphModule) -> None:
     Under ``torch.autocast`` every call stays one node: eager runs the composite below autocast (its matmuls
     in the dtype the autocast kernel chose), while inlined ops would each be cast by autocast again when the
     graph runs (with dropout on a CPU: gradients off by 0.25 on a bf16 attention block)."""
-    if _autocast_active():
+    if autocast_active():
         return
     for node in list(gm.graph.find_nodes(op="call_function", target=_SDPA)):
         tensors, constants = _sdpa_call(node)
@@ -296,7 +341,7 @@ def _inline_math_attention(gm: torch.fx.GraphModule) -> None:
         _inline(gm, node, sub, [tensors[n] for n in names])
 
 
-def _autocast_active() -> bool:
+def autocast_active() -> bool:
     """Whether an enclosing ``torch.autocast`` is on for any device type the planner runs on."""
     for device_type in ("cpu", "cuda", "xpu", "mps"):
         try:

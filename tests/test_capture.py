@@ -289,3 +289,30 @@ def test_autocast_entered_inside_forward_is_named_with_the_fix():
                                          r"enter torch.autocast around the call") as caught:
         compiled(torch.randn(4, 16)).sum().backward()
     assert {w.filename for w in caught if "autocast" in str(w.message)} == {__file__}
+
+
+class MaskIndexed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        f = self.lin(x)
+        return self.head(f[f[:, 0] > 0])
+
+
+def test_a_shape_that_depends_on_values_is_refused_at_the_users_line():
+    """Boolean-mask indexing makes a tensor whose size is known only when the step runs: a CaptureError that
+    names the op and the user's line, with the fix (planning raised an untyped fake-tensor exception)."""
+    with pytest.raises(autorecompute.CaptureError, match=r"shape depends on its values .*test_capture.py.*"
+                                                         r"f\[f\[:, 0\] > 0\][\s\S]*torch.where"):
+        capture(MaskIndexed(), (torch.randn(16, 8),), {})
+
+
+def test_cumulative_batch_norm_is_refused_with_the_fix():
+    """BatchNorm(momentum=None) reads 1/num_batches_tracked from its buffer in training: named, with the fix
+    (export's own error named neither the module nor anything a user could change); in eval mode it captures."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=None))
+    with pytest.raises(autorecompute.CaptureError, match=r"BatchNorm2d '1' has momentum=None.*\n.*momentum=0.1"):
+        capture(model, (torch.randn(2, 3, 8, 8),), {})
+    capture(model.eval(), (torch.randn(2, 3, 8, 8),), {})

@@ -34,3 +34,17 @@ def test_a_model_planned_on_meta_gets_the_plan_it_gets_on_the_cpu_when_it_remate
              for device in ("cpu", "meta")}
     assert plans["meta"].baseline_peak == plans["cpu"].baseline_peak
     assert plans["meta"].predicted_peak <= plans["meta"].budget and plans["meta"].stash
+
+
+def test_planning_on_meta_under_autocast_says_the_plan_is_without_it():
+    """CPU autocast does not cast meta tensors (and torch.autocast("meta") does not exist): a plan made on meta
+    under autocast is the fp32 step's — said, with the ways to size a mixed-precision run."""
+    import pytest
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    x = torch.randn(128, 64, device="meta")
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            pytest.warns(UserWarning, match="autocast does not apply to tensors on the meta device") as caught:
+        autorecompute.plan(model, x, budget=1.0, solver_time_limit=0.5)
+    assert {w.filename for w in caught if "meta device" in str(w.message)} == {__file__}
