@@ -104,19 +104,22 @@ def write_markdown(rows: list[dict], path: Path) -> None:
 
 
 PROSE = """**Reading it.** Every plan measures within its budget at every depth. GPT-2 stays well ahead of √N
-(no extra FLOPs at its peak up to 6 layers, 0.54× at 12). Llama does not: 0.53× √N's extra FLOPs with 3 layers,
-0.71× with 6 and 0.90× with 12, and its recompute-only minimum goes from 0.79× to 0.91× of √N's peak — goals 1
+(no extra FLOPs at its peak up to 6 layers, 0.27× at 12). Llama does not: 0.53× √N's extra FLOPs with 3 layers,
+0.71× with 6 and 0.81× with 12, and its recompute-only minimum goes from 0.79× to 0.91× of √N's peak — goals 1
 and 2a hold at the suite's size only. What runs out is the search, not the budget:
 
 * CP-SAT's model grows with the ops (about 70 a layer) and from 6 Llama layers (448 ops) finds no plan within
   the limit (`heuristic (cp-sat unknown)`): its presolve does not finish in the deterministic time the limit
-  buys. Given 100 units of deterministic time instead of about one (a 218-s plan) the 12-layer plan is the same.
+  buys. Given 100 units of deterministic time instead of about one (a 218-s plan) the 12-layer plan was the
+  same.
 * On chains over 64 ops CP-SAT bounds how long a region holds its inputs from above (`EXACT_REGIONS_UP_TO`),
   so it counts the heuristic's 12-layer plan 0.45% above the memory model: at a budget equal to that plan's
   peak, √N's, its hint is infeasible to CP-SAT. With 0.5% more budget and no presolve CP-SAT keeps the hint
   and improves nothing in 6 s.
-* The plan is then the heuristic's start — √N over articulation points, in effect — and the cost local search
-  finds no op to keep with one compensating change that still fits (3, 12 and 36 M of work: the same plan).
+* The plan is then the local search's. From the usual start — under √N's peak, √N's plan in effect — it finds
+  no op to keep with one compensating change that still fits (3, 12 and 36 M of work: the same plan). Since
+  this session it also starts from the minimum-peak plan with the dearest ops kept while they fit, and keeps
+  the cheaper: 12-layer Llama 0.90× → 0.81× √N's extra FLOPs, 12-layer GPT-2 0.54× → 0.27×.
 
 Deeper models are where planning must scale next: one layer's decisions solved for all the identical layers
 at once (`Problem.repeats` already ties them in the minimum-peak local search, not yet in the cost search), a

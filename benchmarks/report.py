@@ -317,9 +317,9 @@ def write_markdown(rows, summaries, seconds: float, quick: bool, path: Path) -> 
     text += ["", "## Why goals are missed", "",
              "* **Deeper models (1, 2a).** The suite's decoders have three layers. With 6 and 12 "
              "([benchmarks-depth.md](benchmarks-depth.md), `python benchmarks/depth.py`) every plan still fits its "
-             "budget and GPT-2 stays ahead of √N (0.54× its extra FLOPs at 12 layers), but Llama's plans at √N's "
-             "peak run 0.71× and 0.90× √N's extra FLOPs and its recompute-only minimum is 0.82× and 0.91× √N's "
-             "peak: from 448 ops CP-SAT finds no plan within the limit and the plan is the heuristic's start. "
+             "budget and GPT-2 stays ahead of √N (0.27× its extra FLOPs at 12 layers), but Llama's plans at √N's "
+             "peak run 0.71× and 0.81× √N's extra FLOPs and its recompute-only minimum is 0.82× and 0.91× √N's "
+             "peak: from 448 ops CP-SAT finds no plan within the limit and the plan is the local search's. "
              "Goals 1 and 2a hold at the suite's size, not at depth.",
              "* **FLOPs at √N's peak (1).** Least-FLOPs plans within the suite's time limit meet it on seven "
              f"models; Llama's is {_goal_figure(rows, summaries, 'llama').split(' ', 1)[-1]} there"
