@@ -291,6 +291,10 @@ class CompiledModule(torch.nn.Module):
                              "_states": dict(self._states)})
         return copied
 
+    def __setstate__(self, state: dict) -> None:
+        # a module pickled before the cache kept each plan's state has none: an empty cache of states
+        super().__setstate__({"_states": {}, "_warned_at": None, **state})
+
     def __getstate__(self, keep_plans: bool = False) -> dict:
         # pickle / torch.save: the model and the settings; plans are this process's cache (rewritten graph
         # modules, offload tiers), made again — the same plans, the planner is deterministic — on the first
@@ -393,11 +397,13 @@ class CompiledModule(torch.nn.Module):
         # with gradient accumulation each step has two plans (its first micro-batch starts without gradients,
         # the others with them): the larger of the two groups is counted, so that a few fixed shapes do not
         # read as many
+        if not new:
+            return planned
         accumulating = [p for p in self._plans.values() if _GRADIENT_STATE.search(p.plan.signature)]
         starting = [p for p in self._plans.values() if not _GRADIENT_STATE.search(p.plan.signature)]
         group = max(starting, accumulating, key=len)
         count = len(group)
-        if new and count >= MANY_SIGNATURES and count & (count - 1) == 0 \
+        if count >= MANY_SIGNATURES and count & (count - 1) == 0 \
                 and self.__dict__.get("_warned_at") != count:      # the 8th, 16th, 32nd... plan of a group
             self.__dict__["_warned_at"] = count
             same = sum(_without_gradients(p.plan.signature) == _without_gradients(signature) for p in group)

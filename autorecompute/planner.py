@@ -24,7 +24,7 @@ from autorecompute.errors import InfeasibleBudgetError, user_stacklevel
 from autorecompute.memory_model import (REMAKE, effective_stash, extra_cost, extra_flops, held_at, memory_components,
                                          memory_timeline, predicted_peak, region_ids, remakes)
 from autorecompute.passes.build_problem import build_problem
-from autorecompute.passes.capture import autocast_active, capture
+from autorecompute.passes.capture import autocast_active, callers_autocast, capture
 from autorecompute.passes.profile import node_info, step_profile, profile_step
 from autorecompute.passes.rewrite_calls import rewrite_calls
 from autorecompute.passes.rewrite_recompute import rewrite_recompute
@@ -218,6 +218,16 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     budget_bytes = resolve_budget(parsed, baseline_peak)
     runtime = StashRuntime(options.offload_dir) if problem.stash_options else None
 
+    entered = callers_autocast()
+
+    def under_autocast(fn, *args):
+        """``fn`` in another thread under the caller's ``torch.autocast`` (thread-local state): a step planned
+        under autocast is measured as it runs (the hint's check in the pool measured it in float32)."""
+        with contextlib.ExitStack() as stack:
+            for device_type, dtype in entered:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            return fn(*args)
+
     def verify(decisions: Decisions) -> tuple[torch.nn.Module, int]:
         recompute, stash = decisions
         candidate = rewrite_recompute(clone_graph_module(gm), _decisions(problem, recompute),
@@ -313,7 +323,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
                 or greedy.descend(problem, internal, lowest["decisions"])
             # Verify the hint on the other core while CP-SAT (which releases the GIL) tries to beat it.
             with ThreadPoolExecutor(max_workers=1) as pool:
-                hint_verified = pool.submit(verify, hint)
+                hint_verified = pool.submit(under_autocast, verify, hint)
                 result = cpsat.solve_in_stages(problem, budget=internal, minimize="cost",
                                      time_limit=options.solver_time_limit, seed=options.seed, hint=hint[0],
                                      hint_stash=hint[1], progress=progress,

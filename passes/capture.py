@@ -236,7 +236,11 @@ def _warn_of_autocast_regions(gm: torch.fx.GraphModule, model: torch.nn.Module) 
     higher-order op around a subgraph, which the planner sees as one op whose activations it can neither
     recompute nor offload (a 6-layer MLP under it: minimum peak = eager's 10.76 MiB; autocast entered around
     the call: 6.89 MiB). Said, with the fix, instead of a minimum that reads as a model too large."""
-    regions = list(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.wrap_with_autocast))
+    # (regions that switch autocast off — HF models keeping a softmax in float32 — cannot move outside forward:
+    # they stay one op too, unsaid)
+    regions = [region for region in gm.graph.find_nodes(op="call_function",
+                                                        target=torch.ops.higher_order.wrap_with_autocast)
+               if len(region.args) > 2 and region.args[2] is True]
     if not regions:
         return
     inside = sum(sum(1 for n in getattr(gm, region.args[4].target).graph.nodes if n.op == "call_function")
@@ -343,13 +347,19 @@ def _inline_math_attention(gm: torch.fx.GraphModule) -> None:
 
 def autocast_active() -> bool:
     """Whether an enclosing ``torch.autocast`` is on for any device type the planner runs on."""
+    return bool(callers_autocast())
+
+
+def callers_autocast() -> list[tuple[str, torch.dtype]]:
+    """The enclosing ``torch.autocast`` regions of this thread, as (device type, dtype)."""
+    entered = []
     for device_type in ("cpu", "cuda", "xpu", "mps"):
         try:
             if torch.is_autocast_enabled(device_type):
-                return True
+                entered.append((device_type, torch.get_autocast_dtype(device_type)))
         except (RuntimeError, ValueError):      # a device type this build does not know
             continue
-    return False
+    return entered
 
 
 def _sdpa_call(node: torch.fx.Node) -> tuple[dict | None, dict]:

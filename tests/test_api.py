@@ -678,3 +678,38 @@ def test_the_callers_trackers_see_the_first_step_not_its_planning():
             compiled(x).sum().backward()
         measured.append((tracker.peak, flops.get_total_flops()))
     assert measured[0] == measured[1]
+
+
+def test_every_candidate_is_measured_under_the_callers_autocast(monkeypatch):
+    """Autocast is thread-local: the heuristic's plan, checked on the other core while CP-SAT runs, was
+    measured in float32 for a step planned under bfloat16 autocast. Every check now runs under the caller's."""
+    import threading
+
+    from autorecompute import planner
+
+    measured = []
+    original = planner.fake_step_memory
+
+    def recording(*args, **kwargs):
+        measured.append((threading.current_thread() is threading.main_thread(), torch.is_autocast_enabled("cpu")))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "fake_step_memory", recording)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(6)])
+    compiled = autorecompute.compile(model, budget=0.85, actions=("recompute",), solver_time_limit=SOLVER_TIME)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled.prepare(torch.randn(256, 64))
+    assert any(not on_main for on_main, _ in measured)              # the check on the other core ran
+    assert all(under_autocast for _, under_autocast in measured)
+
+
+def test_a_compiled_module_pickled_before_the_state_cache_still_trains():
+    """A module pickled before plans kept their model state (``_states``) loads with an empty one."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    compiled = autorecompute.compile(model, budget=1.0, solver_time_limit=SOLVER_TIME)
+    state = compiled.__getstate__()
+    del state["_states"], state["_warned_at"]
+    loaded = type(compiled).__new__(type(compiled))
+    loaded.__setstate__(state)
+    loaded(torch.randn(4, 8)).sum().backward()
+    assert len(loaded.plans) == 1

@@ -291,6 +291,20 @@ def test_autocast_entered_inside_forward_is_named_with_the_fix():
     assert {w.filename for w in caught if "autocast" in str(w.message)} == {__file__}
 
 
+class AutocastOffInside(AutocastInside):
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):       # a part kept in float32 (HF models do): cannot move out
+            return torch.softmax(self.b(torch.tanh(self.a(x))).float(), -1)
+
+
+def test_autocast_switched_off_inside_forward_is_not_told_to_move():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        capture(AutocastOffInside(), (torch.randn(4, 16),), {})
+
+
 class MaskIndexed(torch.nn.Module):
     def __init__(self):
         super().__init__()

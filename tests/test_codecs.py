@@ -77,3 +77,14 @@ def test_temporaries_are_what_the_planner_counts(name, dtype, shape):
     assert measured[1] == counted[1] and counted[0] - scales <= measured[0] <= counted[0]
     if name != "bfloat16":
         assert max(measured) <= 12 * (1 << 20)     # chunked: 12 bytes per element of one chunk at most
+
+
+@pytest.mark.parametrize("name", ["int8", "float8"])
+@pytest.mark.parametrize("shape", [(0,), (16, 0), (4, 3, 0, 5), (2, 0, 8)])
+def test_empty_tensors_round_trip(name, shape):
+    """A zero-element tensor (an empty channel dimension among them: an amax over it raised) round-trips."""
+    x = torch.randn(shape)
+    stored = CODECS[name].encode(x)
+    out = CODECS[name].decode(stored, x.dtype)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert sum(s.untyped_storage().nbytes() for s in stored) <= CODECS[name].stored_bytes(shape)

@@ -146,6 +146,9 @@ def _finite_amax(rows: torch.Tensor) -> torch.Tensor:
 
 def _scaled_encode(x: torch.Tensor, channel: int | None, limit: float, dtype: torch.dtype,
                    rounding: bool) -> tuple[torch.Tensor, ...]:
+    if x.numel() == 0:       # nothing to scale (an amax over an empty dimension raises)
+        scales = x.shape[channel] if channel is not None else 1
+        return torch.empty(x.shape, dtype=dtype, device=x.device), torch.ones(scales, device=x.device)
     rows = _rows(x, channel)
     scale = (_finite_amax(rows) / limit).clamp_min(1e-30)
     out = torch.empty(rows.shape, dtype=dtype, device=x.device)
@@ -170,6 +173,8 @@ def _int8_encode(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _scaled_decode(stored: tuple[torch.Tensor, ...], original: torch.dtype) -> torch.Tensor:
     """Back to ``original``, multiplying in float32 (a bf16/fp16 scale would round away small values)."""
     values, scale = stored
+    if values.numel() == 0:
+        return torch.empty(values.shape, dtype=original, device=values.device)
     rows = _rows(values, _channel("int8", tuple(values.shape)) if scale.numel() > 1 else None)
     scale = scale.reshape(1, -1, 1)
     out = torch.empty(rows.shape, dtype=original, device=values.device)
