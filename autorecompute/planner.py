@@ -319,8 +319,8 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
         for _ in range(MAX_TIGHTENINGS):
             if internal < lowest["peak"]:
                 return None, internal   # tighter than the model's own minimum: the minimum-peak plan is the answer
-            hint = greedy.best_under(problem, internal) \
-                or greedy.descend(problem, internal, lowest["decisions"])
+            segments = greedy.best_under(problem, internal)
+            hint = segments or greedy.descend(problem, internal, lowest["decisions"])
             # Verify the hint on the other core while CP-SAT (which releases the GIL) tries to beat it.
             with ThreadPoolExecutor(max_workers=1) as pool:
                 hint_verified = pool.submit(under_autocast, verify, hint)
@@ -343,11 +343,12 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
                 t = time.perf_counter()
                 polished = greedy.lower_cost(problem, internal, best,
                                              work=int(COST_SEARCH_WORK * options.solver_time_limit))
-                if result.recompute is None:
+                if result.recompute is None and segments:
                     # CP-SAT found nothing (a deep chain: its presolve does not finish; or its region bound
-                    # counts the start over the budget) and the local search kept the start, which under a
-                    # budget near √N's peak is √N's plan: the other start too, the minimum-peak plan with the
-                    # dearest ops kept while they fit (12-layer Llama at √N's peak: 269 → 240 MFLOP)
+                    # counts the start over the budget) and the local search ran from the segment plans' start,
+                    # which under a budget near √N's peak is √N's plan: the other start too (when the hint was
+                    # not it already), the minimum-peak plan with the dearest ops kept while they fit (12-layer
+                    # Llama at √N's peak: 269 → 240 MFLOP)
                     other = greedy.lower_cost(problem, internal, greedy.descend(problem, internal, lowest["decisions"]),
                                               work=int(COST_SEARCH_WORK * options.solver_time_limit))
                     if predicted_peak(problem, *other) <= internal and \
