@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from autorecompute.budget import format_bytes, parse_budget
 from autorecompute.errors import PartialBackwardWarning, ReplanningWarning, user_stacklevel
+from autorecompute.passes.capture import callers_autocast
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
 from autorecompute.runtime.memory import (ALLOCATOR_SLACK, device_bytes_outside, output_tensors_for_backward,
@@ -46,22 +47,11 @@ def _layout(value: torch.Tensor) -> str:
     return f" strides{list(value.stride())}"
 
 
-# device types whose enclosing torch.autocast changes the step a plan was made for (checked every call: the
-# model may move inputs onto its own device inside forward)
-AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "privateuseone")
-
-
 def _autocast_state(devices: set[str]) -> str:
-    """The enclosing ``torch.autocast`` regions: " under autocast(cpu, bfloat16)", or "" outside any."""
-    on = []
-    for device_type in sorted({*AUTOCAST_DEVICES, *devices}):
-        try:
-            enabled = torch.is_autocast_enabled(device_type)
-        except (RuntimeError, ValueError):    # a device type autocast does not know (meta): nothing to record
-            continue
-        if enabled:
-            on.append(f"{device_type}, {str(torch.get_autocast_dtype(device_type)).replace('torch.', '')}")
-    return "".join(f" under autocast({state})" for state in on)
+    """The enclosing ``torch.autocast`` regions: " under autocast(cpu, bfloat16)", or "" outside any (checked
+    every call, with the inputs' device types: the model may move inputs onto its own device inside forward)."""
+    return "".join(f" under autocast({device_type}, {str(dtype).replace('torch.', '')})"
+                   for device_type, dtype in callers_autocast(devices))
 
 
 def input_signature(args: tuple, kwargs: dict) -> str:

@@ -24,7 +24,7 @@ from autorecompute.errors import InfeasibleBudgetError, user_stacklevel
 from autorecompute.memory_model import (REMAKE, effective_stash, extra_cost, extra_flops, held_at, memory_components,
                                          memory_timeline, predicted_peak, region_ids, remakes)
 from autorecompute.passes.build_problem import build_problem
-from autorecompute.passes.capture import autocast_active, callers_autocast, capture
+from autorecompute.passes.capture import callers_autocast, capture
 from autorecompute.passes.profile import node_info, step_profile, profile_step
 from autorecompute.passes.rewrite_calls import rewrite_calls
 from autorecompute.passes.rewrite_recompute import rewrite_recompute
@@ -196,7 +196,8 @@ def _unseen_by_callers_modes() -> Iterator[None]:
 def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options: PlannerOptions,
                signature: str) -> Planned:
     started = time.perf_counter()
-    if _device_type(args, kwargs) == "meta" and autocast_active():
+    entered = callers_autocast()
+    if _device_type(args, kwargs) == "meta" and entered:
         warnings.warn("torch.autocast does not apply to tensors on the meta device: this plan is for the step "
                       "without autocast (its activations in the model's dtype, so larger). Fix: plan on the device "
                       "the steps run on, or convert the model to the low-precision dtype (model.bfloat16()) to "
@@ -217,8 +218,6 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     baseline_peak = profile.peak
     budget_bytes = resolve_budget(parsed, baseline_peak)
     runtime = StashRuntime(options.offload_dir) if problem.stash_options else None
-
-    entered = callers_autocast()
 
     def under_autocast(fn, *args):
         """``fn`` in another thread under the caller's ``torch.autocast`` (thread-local state): a step planned

@@ -325,7 +325,7 @@ def _inline_math_attention(gm: torch.fx.GraphModule) -> None:
     Under ``torch.autocast`` every call stays one node: eager runs the composite below autocast (its matmuls
     in the dtype the autocast kernel chose), while inlined ops would each be cast by autocast again when the
     graph runs (with dropout on a CPU: gradients off by 0.25 on a bf16 attention block)."""
-    if autocast_active():
+    if callers_autocast():
         return
     for node in list(gm.graph.find_nodes(op="call_function", target=_SDPA)):
         tensors, constants = _sdpa_call(node)
@@ -345,19 +345,19 @@ def _inline_math_attention(gm: torch.fx.GraphModule) -> None:
         _inline(gm, node, sub, [tensors[n] for n in names])
 
 
-def autocast_active() -> bool:
-    """Whether an enclosing ``torch.autocast`` is on for any device type the planner runs on."""
-    return bool(callers_autocast())
+# device types whose enclosing torch.autocast changes the step a plan is made for
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "privateuseone")
 
 
-def callers_autocast() -> list[tuple[str, torch.dtype]]:
-    """The enclosing ``torch.autocast`` regions of this thread, as (device type, dtype)."""
+def callers_autocast(devices: tuple[str, ...] | set[str] = ()) -> list[tuple[str, torch.dtype]]:
+    """The enclosing ``torch.autocast`` regions of this thread, as (device type, dtype), over
+    :data:`AUTOCAST_DEVICES` and ``devices``, in name order."""
     entered = []
-    for device_type in ("cpu", "cuda", "xpu", "mps"):
+    for device_type in sorted({*AUTOCAST_DEVICES, *devices}):
         try:
             if torch.is_autocast_enabled(device_type):
                 entered.append((device_type, torch.get_autocast_dtype(device_type)))
-        except (RuntimeError, ValueError):      # a device type this build does not know
+        except (RuntimeError, ValueError):      # a device type autocast does not know (meta): nothing to record
             continue
     return entered
 
