@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 import re
@@ -360,7 +361,27 @@ class CompiledModule(torch.nn.Module):
 
     def prepare(self, *args, **kwargs) -> Plan:
         """Plans for these inputs now (as the first training call would) without running a step."""
-        return self._planned(args, kwargs).plan
+        return self._planned(args, self._without_cache(kwargs)).plan
+
+    def _without_cache(self, kwargs: dict) -> dict:
+        """``kwargs`` with ``use_cache=False`` for a model whose config turns a key/value cache on (HF decoders'
+        default) and whose forward takes it, unless the caller passed it. A training step does not read the
+        cache, and export cannot flatten one; transformers' own gradient checkpointing turns it off too."""
+        if "use_cache" in kwargs or getattr(getattr(self._model, "config", None), "use_cache", None) is not True:
+            return kwargs
+        try:
+            takes_it = "use_cache" in inspect.signature(self._model.forward).parameters
+        except (TypeError, ValueError):
+            takes_it = False
+        if not takes_it:
+            return kwargs
+        if not self.__dict__.get("_told_cache"):
+            self.__dict__["_told_cache"] = True
+            warnings.warn(f"{type(self._model).__name__}.config.use_cache is True: autorecompute passes "
+                          "use_cache=False to its training steps (a key/value cache is for generation; "
+                          "transformers' gradient checkpointing does the same). Set config.use_cache = False, "
+                          "or pass use_cache=False, to silence this.", UserWarning, stacklevel=user_stacklevel())
+        return {**kwargs, "use_cache": False}
 
     def _planned(self, args: tuple, kwargs: dict) -> Planned:
         # every call: the key from the inputs and the model's state (one walk; the gradients that exist make a
@@ -431,6 +452,7 @@ class CompiledModule(torch.nn.Module):
         if not self._wants_plan(args, kwargs):
             return self._model(*args, **kwargs)
         self._check_last_backward()
+        kwargs = self._without_cache(kwargs)
         planned = self._planned(args, kwargs)
         outputs = planned.module(*args, **kwargs)
         if not planned.backward_watched:

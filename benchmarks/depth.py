@@ -104,27 +104,27 @@ def write_markdown(rows: list[dict], path: Path) -> None:
 
 
 PROSE = """**Reading it.** Every plan measures within its budget at every depth. GPT-2 stays well ahead of √N
-(no extra FLOPs at its peak up to 6 layers, 0.27× at 12). Llama does not: 0.53× √N's extra FLOPs with 3 layers,
-0.71× with 6 and 0.81× with 12, and its recompute-only minimum goes from 0.79× to 0.91× of √N's peak — goals 1
-and 2a hold at the suite's size only. What runs out is the search, not the budget:
+(no extra FLOPs at its peak up to 6 layers, 0.05× at 12). Llama less so: 0.53× √N's extra FLOPs with 3 layers,
+0.63× with 6 and 0.74× with 12 — goal 1 holds at the suite's size only. Two things run out:
 
-* CP-SAT's model grows with the ops (about 70 a layer) and from 6 Llama layers (448 ops) finds no plan within
-  the limit (`heuristic (cp-sat unknown)`): its presolve does not finish in the deterministic time the limit
-  buys. Given 100 units of deterministic time instead of about one (a 218-s plan) the 12-layer plan was the
-  same.
-* On chains over 64 ops CP-SAT bounds how long a region holds its inputs from above (`EXACT_REGIONS_UP_TO`),
-  so it counts the heuristic's 12-layer plan 0.45% above the memory model: at a budget equal to that plan's
-  peak, √N's, its hint is infeasible to CP-SAT. With 0.5% more budget and no presolve CP-SAT keeps the hint
-  and improves nothing in 6 s.
-* The plan is then the local search's. From the usual start — under √N's peak, √N's plan in effect — it finds
-  no op to keep with one compensating change that still fits (3, 12 and 36 M of work: the same plan). Since
-  this session it also starts from the minimum-peak plan with the dearest ops kept while they fit, and keeps
-  the cheaper: 12-layer Llama 0.90× → 0.81× √N's extra FLOPs, 12-layer GPT-2 0.54× → 0.27×.
+* **The search.** CP-SAT's model grows with the ops (about 70 a layer) and from 6 Llama layers (448 ops) finds
+  no plan for the whole model within the limit: its presolve does not finish in the deterministic time the
+  limit buys (given 100 units instead of about one, a 218-s plan, the 12-layer plan was the same). The plan is
+  then a local search's — from √N's plan in effect and from the minimum-peak plan with the dearest ops kept
+  while they fit — improved by CP-SAT over windows of 80 ops with the rest fixed (`feasible (cp-sat
+  windows)`, `cpsat.solve_in_windows`): 12-layer GPT-2 0.27× → 0.05× √N's extra FLOPs, Llama 0.71× → 0.63×
+  with 6 layers and 0.81× → 0.74× with 12, for 7–10 s more planning. Each window is solved to optimality
+  or near it; what is left needs trades between layers further apart than a window (windows of 160 ops end
+  at the same plans, of 250 at dearer ones).
+* **The room.** Llama's recompute-only minimum is 0.82× √N's peak with 6 layers and 0.91× with 12: the
+  parameters and their gradients, which no plan removes, grow with the layers while √N's activations grow as
+  their square root, so at √N's peak a 12-layer Llama has 10% of room above the least memory any plan
+  needs, and most activations must be made again somehow. GPT-2's minimum stays under half of √N's peak.
 
 Deeper models are where planning must scale next: one layer's decisions solved for all the identical layers
-at once (`Problem.repeats` already ties them in the minimum-peak local search, not yet in the cost search), a
-coarser model of the positions, or the exact region rule at that size; the suite's three-layer models do not
-show this."""
+at once (tied in CP-SAT's model, 3-layer Llama's plan at √N's peak runs 56.6 MFLOP again against 35.7
+untied in the same 8 s, and the 12-layer tied model finds nothing in 30 s), a coarser model of the positions,
+or windows over layers far apart."""
 
 
 def main(argv=None) -> None:

@@ -11,7 +11,7 @@ import models
 from autorecompute.api import model_state
 from autorecompute.plan import Plan
 from conftest import SOLVER_TIME
-from harness import measured_step
+from harness import assert_bitwise_equal, measured_step
 
 
 def test_compiled_module_shares_parameters_buffers_and_state_dict_keys():
@@ -713,3 +713,27 @@ def test_a_compiled_module_pickled_before_the_state_cache_still_trains():
     loaded.__setstate__(state)
     loaded(torch.randn(4, 8)).sum().backward()
     assert len(loaded.plans) == 1
+
+
+def test_an_hf_decoder_with_its_cache_on_trains_with_it_off_and_says_so():
+    """HF decoders default to ``use_cache=True``, in training too: a key/value cache export cannot capture.
+    The compiled module passes ``use_cache=False`` (as transformers' gradient checkpointing does), once
+    telling how to silence it; the step is eager's with the cache off, bit for bit, within the budget."""
+    t = models._quiet_transformers()
+    torch.manual_seed(0)
+    model = t.GPT2LMHeadModel(t.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    assert model.config.use_cache is True
+    ids = torch.randint(0, 64, (2, 16))
+    compiled = autorecompute.compile(model, budget=0.7, solver_time_limit=SOLVER_TIME)
+    with pytest.warns(UserWarning, match=r"use_cache=False.*config.use_cache = False"):
+        out = compiled(ids)
+    assert out.past_key_values is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # once
+        step = measured_step(compiled, model, (ids,), {})
+    eager = measured_step(model, model, (ids,), {"use_cache": False})
+    assert_bitwise_equal(step, eager)
+    assert step.peak <= compiled.plan.budget
+    # the caller's own choice is left alone: with the cache asked for, capture says why it cannot
+    with pytest.raises(autorecompute.CaptureError, match="use_cache=False"):
+        compiled(ids, use_cache=True)

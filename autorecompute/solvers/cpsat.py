@@ -14,7 +14,8 @@ from typing import Mapping
 
 from ortools.sat.python import cp_model
 
-from autorecompute.memory_model import backward_positions, effective_stash, extra_cost, predicted_peak
+from autorecompute.memory_model import (NEW_REGION, REMAKE, backward_positions, effective_stash, extra_cost,
+                                         predicted_peak)
 from autorecompute.problem import Problem
 from autorecompute.solvers import greedy
 
@@ -155,7 +156,7 @@ def byte_unit(problem: Problem) -> int:
 
 def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost", time_limit: float = 5.0,
           seed: int = 0, hint: Mapping[str, bool] | None = None, hint_stash: Mapping[str, str] | None = None,
-          workers: int = 2, progress: bool = False) -> SolverResult:
+          workers: int = 2, progress: bool = False, window: frozenset[str] | None = None) -> SolverResult:
     """Solves ``problem``.
 
     Args:
@@ -167,14 +168,29 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
         hint: a starting solution (op → bool); ``hint_stash`` its stash choices (activation → action).
         workers: search workers, interleaved so the search is deterministic.
         progress: show the best objective, bound and elapsed time on stderr once the solve passes 1 s.
+        window: the ops CP-SAT decides (None: all). The others keep the hint's decisions, its region cuts
+            included, and the activations they own its stash choices: a neighbourhood of a plan, small enough
+            to solve where the whole chain is not (:func:`solve_in_windows`). A cut that remakes its inputs
+            (:data:`~autorecompute.memory_model.REMAKE`) is encoded as a plain one: the caller scores the
+            result with the memory model.
     """
     unit = byte_unit(problem)
     index = problem.index()
     chain = problem.chain
     model = cp_model.CpModel()
 
-    # Variables: r[op] = 1 if op is recomputed (in a checkpointed region); 0 is a constant for the others.
-    r = {op: model.new_bool_var(f"recompute[{op}]") for op in chain if op in problem.recomputable}
+    # Decisions outside the window: the hint's (op → False, True or a region cut).
+    fixed = {} if window is None else {op: (hint or {}).get(op, False) for op in chain
+                                       if op in problem.recomputable and op not in window}
+    cuts = {op for op, decision in fixed.items() if decision in (NEW_REGION, REMAKE)}
+
+    # Variables: r[op] = 1 if op is recomputed (in a checkpointed region); 0 is a constant for the others
+    # (the ops that cannot be, and those the window leaves kept).
+    r = {op: model.new_bool_var(f"recompute[{op}]") for op in chain
+         if op in problem.recomputable and fixed.get(op, True)}
+    for op in r.keys() & fixed.keys():
+        # recomputed, as the hint has it (outside the window)
+        model.add(r[op] == 1)
 
     def lit(op: str):
         return r.get(op, 0)
@@ -188,13 +204,20 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
     breakers_before = [0]
     for op in chain:
         breakers_before.append(breakers_before[-1] + (op not in r))
+    cuts_before = [0]        # region cuts: op k starts a region of its own
+    for op in chain:
+        cuts_before.append(cuts_before[-1] + (op in cuts))
+
+    def joined(i: int, j: int) -> bool:
+        """Whether chain ops i <= j can be in one region: every op between is recomputable, none a cut."""
+        return breakers_before[j + 1] == breakers_before[i] and cuts_before[j + 1] == cuts_before[i + 1]
 
     same_cache: dict[tuple[int, int], object] = {}
 
     def same(a: str, b: str):
         """Boolean: ops a..b (chain order, a <= b) are one recomputed region."""
         i, j = index[a], index[b]
-        if breakers_before[j + 1] - breakers_before[i] > 0:
+        if not joined(i, j):
             return 0
         if i == j:
             return r[a]
@@ -219,6 +242,8 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
                 runs[op] = _both(model, r[op], later, f"rerun[{op}]")
             # for the op before: this one shares its region (r[op]) and saves, or a later one does
             later = r[op] if op in problem.saves else _both(model, r[op], later, f"saves_after[{op}]")
+            if op in cuts:
+                later = 0      # the op before is in another region
 
     # Memory pieces: (start, end, units, literal) added to a difference array over positions.
     starts: dict[int, list] = {}
@@ -235,6 +260,12 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
     x = {(act.name, option.action): model.new_bool_var(f"stash[{act.name},{option.action}]")
          for act in problem.activations if act.savers and act.save_end >= act.hold_start
          for option in problem.stash_options.get(act.name, ())}
+    if window is not None:
+        owners = {act.name: act.owner for act in problem.activations}
+        for (name, action), var in x.items():
+            if owners[name] not in window:
+                # stashed as the hint has it (an activation no op of the window makes)
+                model.add(var == int((hint_stash or {}).get(name) == action))
 
     # Who takes each activation off the device: its own options, and the chain rematerializations that make
     # it again on their way (``StashOption.delivers``).
@@ -266,10 +297,10 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
             pairs, i = [], index[c]
             for step in (-1, 1):
                 best, k = -1, (i if step < 0 else i + 1)
-                while 0 <= k < len(chain) and chain[k] in r:
+                while 0 <= k < len(chain) and joined(min(i, k), max(i, k)):
                     if abs(k - i) > REGION_WINDOW:
                         run_end, j = -1, k
-                        while 0 <= j < len(chain) and chain[j] in r:
+                        while 0 <= j < len(chain) and joined(min(i, j), max(i, j)):
                             run_end, j = max(run_end, saver_end_of(j)), j + step
                         if run_end > best:
                             pairs.append((run_end, k))
@@ -380,6 +411,8 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
         if op not in r:
             previous = None
             continue
+        if op in cuts:
+            previous = None
         a = model.new_int_var(0, upper, f"remat[{op}]")
         terms = [units * same(owner, op) for units, owner in new_at.get(op, [])]
         # what was alive at the previous op of this region stays alive; add what op's backward frees last
@@ -413,7 +446,7 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
     for op in chain:
         if op in r and problem.region_cost:
             start = model.new_bool_var(f"region_start[{op}]")
-            model.add(start >= r[op] - previous)
+            model.add(start >= r[op] - (0 if op in cuts else previous))
             starts_at[op] = start
         previous = r.get(op, 0)
 
@@ -462,7 +495,8 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
     name = _STATUS.get(status, "unknown")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return SolverResult(None, name, math.inf, 0.0, math.inf, wall)
-    recompute = {op: bool(solver.value(var)) for op, var in r.items()}
+    recompute = {op: bool(solver.value(var)) for op, var in r.items() if op not in fixed}
+    recompute.update(fixed)       # outside the window: the hint's decisions, region cuts included
     stash = {name: action for (name, action), var in x.items() if solver.value(var)}
     # back to the problem's units: cost, or bytes for the peak objective
     objective = solver.objective_value * total / 2**30
@@ -562,3 +596,73 @@ def solve_in_stages(problem: Problem, *, time_limit: float = 5.0, hint: Mapping[
     gap = 0.0 if proven else max(0.0, (objective - bound) / max(abs(objective), 1e-9))
     return replace(best_from or last, recompute=best[0], stash=best[1], status="optimal" if proven else "feasible",
                    objective=objective, bound=bound, gap=gap, wall_time=wall)
+
+
+WINDOW_OPS = 80         # recomputable ops a window of solve_in_windows spans
+WINDOW_SECONDS = 1.0    # one window's time limit (in deterministic time, as solve's)
+
+
+def solve_in_windows(problem: Problem, start: greedy.Decisions, *, budget: int | None = None,
+                     minimize: str = "cost", time_limit: float = 5.0, seed: int = 0,
+                     width: int = WINDOW_OPS) -> greedy.Decisions:
+    """CP-SAT over windows of the chain, the rest of the plan fixed: a large-neighbourhood search for chains
+    whose whole model CP-SAT cannot solve in the limit.
+
+    Each window spans ``width`` consecutive recomputable ops (and the ops between them), half overlapping the
+    one before; :func:`solve` decides the window's ops and the stash choices of the activations they make,
+    from the best plan so far, which keeps the rest. A result is kept when the memory model scores it better
+    (under ``budget``: cheaper; ``minimize="peak"``: lower). Passes over the chain until one changes nothing,
+    or ``time_limit`` — each window counted at :data:`WINDOW_SECONDS`, the deterministic time it may use,
+    so the result does not depend on the machine — is spent three times over: the full model had that long.
+
+    On 6-layer Llama (449 ops, batch 16) at √N's peak, where the full model finds nothing in the limit,
+    the local search's least-FLOPs plan runs 407 MFLOP again; one pass takes it to 344 (12 windows, 5 s). On
+    12 layers (850 ops): 240 to 208 MFLOP (22 windows, 13 s). Windows of 160 ops at 3 s each end at the
+    same plan; of 250 ops, dearer (361 MFLOP): a larger window's model is again too large for its limit.
+
+    Example: four ops, each 100-B output saved by the next (:func:`greedy.lower_cost`'s example), windows of
+    two ops, from everything recomputed (cost 8). Under 200 B the windows keep op0 (cost 6); the optimum,
+    op2 kept and op0 recomputed (cost 3), changes two ops no window holds together.
+
+        >>> from autorecompute.memory_model import extra_cost
+        >>> from autorecompute.problem import Activation, Problem
+        >>> ops = ("op0", "op1", "op2", "op3")
+        >>> acts = tuple(Activation(f"t{i}", owner=ops[i], nbytes=100, hold_start=i + 2, savers=(ops[i + 1],),
+        ...                         readers=(ops[i + 1],), save_end=6 - i, read_end=6 - i) for i in range(3))
+        >>> problem = Problem(chain=ops, recomputable=frozenset(ops[:3]), cost=dict(zip(ops, (2, 1, 5, 1))),
+        ...                   flops={}, activations=acts, fixed=(0,) * 8, num_forward=4,
+        ...                   backward_op={7 - i: op for i, op in enumerate(ops)})
+        >>> start = ({"op0": True, "op1": True, "op2": True}, {})
+        >>> windowed = solve_in_windows(problem, start, budget=200, width=2)
+        >>> sorted(windowed[0].items()), extra_cost(problem, *windowed)
+        ([('op0', False), ('op1', True), ('op2', True)], 6)
+    """
+    if minimize == "cost" and budget is None:
+        raise ValueError("minimize='cost' needs a budget")
+
+    def score(decisions: greedy.Decisions) -> tuple:
+        peak, cost = predicted_peak(problem, *decisions), extra_cost(problem, *decisions)
+        return (peak, cost) if minimize == "peak" else (peak > budget, cost)
+
+    decidable = [k for k, op in enumerate(problem.chain) if op in problem.recomputable]
+    step = max(1, width // 2)
+    windows = [frozenset(problem.chain[decidable[lo]:decidable[min(lo + width, len(decidable)) - 1] + 1])
+               for lo in range(0, max(1, len(decidable) - step), step)]
+    best = (dict(start[0]), effective_stash(problem, start[0], start[1]))
+    best_score = score(best)
+    left = max(1, math.ceil(3 * time_limit / WINDOW_SECONDS))
+    unchanged = 0
+    while left > 0 and unchanged < len(windows):
+        for window in windows:
+            if left <= 0 or unchanged >= len(windows):
+                break
+            left -= 1
+            result = solve(problem, budget=budget, minimize=minimize, time_limit=WINDOW_SECONDS, seed=seed,
+                           hint=best[0], hint_stash=best[1], window=window)
+            found = None if result.recompute is None else (
+                result.recompute, effective_stash(problem, result.recompute, result.stash))
+            if found is not None and score(found) < best_score:
+                best, best_score, unchanged = found, score(found), 0
+            else:
+                unchanged += 1
+    return best
