@@ -616,9 +616,10 @@ def solve_in_windows(problem: Problem, start: greedy.Decisions, *, budget: int |
     so the result does not depend on the machine — is spent three times over: the full model had that long.
 
     On 6-layer Llama (449 ops, batch 16) at √N's peak, where the full model finds nothing in the limit,
-    the local search's least-FLOPs plan runs 407 MFLOP again; one pass takes it to 344 (12 windows, 5 s). On
-    12 layers (850 ops): 240 to 208 MFLOP (22 windows, 13 s). Windows of 160 ops at 3 s each end at the
-    same plan; of 250 ops, dearer (361 MFLOP): a larger window's model is again too large for its limit.
+    the local search's least-FLOPs plan runs 407 MFLOP again; the first pass takes it to 344, the second
+    changes nothing (24 windows at an 8-s limit, 8 s). On 12 layers (850 ops): 240 to 210 MFLOP (24
+    windows, 13 s). Windows of 160 ops at 3 s each end at the same plan; of 250 ops, dearer (361 MFLOP):
+    a larger window's model is again too large for its limit.
 
     Example: four ops, each 100-B output saved by the next (:func:`greedy.lower_cost`'s example), windows of
     two ops, from everything recomputed (cost 8). Under 200 B the windows keep op0 (cost 6); the optimum,
@@ -645,6 +646,8 @@ def solve_in_windows(problem: Problem, start: greedy.Decisions, *, budget: int |
         return (peak, cost) if minimize == "peak" else (peak > budget, cost)
 
     decidable = [k for k, op in enumerate(problem.chain) if op in problem.recomputable]
+    if not decidable:
+        return start
     step = max(1, width // 2)
     windows = [frozenset(problem.chain[decidable[lo]:decidable[min(lo + width, len(decidable)) - 1] + 1])
                for lo in range(0, max(1, len(decidable) - step), step)]
