@@ -71,15 +71,17 @@ class PartialBackwardWarning(UserWarning):
     activations stay on the device through that backward, which the plan did not count."""
 
 
-def user_stacklevel() -> int:
+def user_stacklevel(in_backward: bool = False) -> int:
     """The ``stacklevel`` of a warning raised by the caller of this function that names the first frame outside
     autorecompute (its passes included) and torch.nn (forward runs under nn.Module's call machinery, one frame
-    more with hooks or Module.compile()): the user's line that made the step."""
+    more with hooks or Module.compile()): the user's line that made the step. ``in_backward``: a hook the
+    autograd engine calls, outside all of torch (the user's ``loss.backward()``)."""
     import torch.nn
 
     import autorecompute.passes
 
-    inside = (os.path.dirname(__file__), *autorecompute.passes.__path__, os.path.dirname(torch.nn.__file__))
+    inside = (os.path.dirname(__file__), *autorecompute.passes.__path__,
+              os.path.dirname(torch.__file__ if in_backward else torch.nn.__file__))
     level, frame = 1, sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         level, frame = level + 1, frame.f_back

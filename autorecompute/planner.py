@@ -33,7 +33,7 @@ from autorecompute.passes.verify import fake_step_memory
 from autorecompute.plan import NodeRecord, Plan, StashRecord
 from autorecompute.problem import GRADIENT, Problem
 from autorecompute.runtime.codecs import CODECS
-from autorecompute.runtime.stash import StashedModule, StashRuntime
+from autorecompute.runtime.stash import StashedModule, StashRuntime, distributed
 from autorecompute.runtime.tiers import check_writable
 from autorecompute.solvers import cpsat, greedy
 from autorecompute.transfer import TransferModel, counting_flops, default_for
@@ -211,7 +211,8 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     speeds = transfer if options.objective == "time" else counting_flops(transfer)
     problem = build_problem(gm, recompute="recompute" in options.actions,
                             offload=transfer if "offload" in options.actions else None,
-                            compress_dtypes=options.dtypes, device=speeds)
+                            compress_dtypes=options.dtypes, device=speeds,
+                            offload_gradients=not distributed())
     log.debug("profile + problem: %.2f s, %d ops in chain, %d recomputable, %d activations, %d stashable",
               time.perf_counter() - t, len(problem.chain), len(problem.recomputable), len(problem.activations),
               len(problem.stash_options))

@@ -106,7 +106,8 @@ def _result_bytes(node: torch.fx.Node) -> int:
 
 
 def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: TransferModel | None = None,
-                  compress_dtypes: tuple[str, ...] = (), device: TransferModel | None = None) -> Problem:
+                  compress_dtypes: tuple[str, ...] = (), device: TransferModel | None = None,
+                  offload_gradients: bool = True) -> Problem:
     """The planning problem of a graph that :func:`~autorecompute.passes.profile.profile_step` annotated.
 
     Args:
@@ -114,6 +115,7 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
         offload: the transfer model when activations may be offloaded (None: they may not).
         compress_dtypes: the dtypes activations may be compressed to (see ``runtime/codecs.py``).
         device: the speeds recompute costs are computed with (None: ``offload``'s, else the CPU's).
+        offload_gradients: whether parameter gradients may be offloaded too (with ``offload``).
     """
     device = device or offload or CPU_DISK
     profile = step_profile(gm)
@@ -175,7 +177,7 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
                                       device)
                 if found:
                     options[act.name] = options.get(act.name, ()) + found
-    if offload is not None:
+    if offload is not None and offload_gradients:
         for act, option in gradient_offloads(gm, backward_position, last, offload):
             activations.append(act)
             options[act.name] = (option,)

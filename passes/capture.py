@@ -122,6 +122,9 @@ def _capture_failure(model: torch.nn.Module, exc: Exception) -> str:
     where = _failing_line(message, exc)
     fix = ("pass use_cache=False (or set config.use_cache = False): a key/value cache is for generation, not "
            "training" if "Cache" in message and "output" in message else
+           "pass nn.Parameter values (torch.func.functional_call with plain tensors replaces the model's "
+           "Parameters, which export requires), or call the compiled module itself" if
+           "is not an instance of torch.nn.Parameter" in message else
            "first check that the model runs on these inputs without autorecompute (model(*inputs): a shape or "
            "dtype that does not fit the model fails here too, with the op's own message above); if it does, "
            "make the failing construct traceable (data-dependent Python control flow on tensor values, .item(), "

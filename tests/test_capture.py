@@ -330,3 +330,12 @@ def test_cumulative_batch_norm_is_refused_with_the_fix():
     with pytest.raises(autorecompute.CaptureError, match=r"BatchNorm2d '1' has momentum=None.*\n.*momentum=0.1"):
         capture(model, (torch.randn(2, 3, 8, 8),), {})
     capture(model.eval(), (torch.randn(2, 3, 8, 8),), {})
+
+
+def test_functional_call_with_plain_tensors_is_told_to_pass_parameters():
+    """``torch.func.functional_call`` with plain tensors puts them where export wants Parameters."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    compiled = autorecompute.compile(model, budget=0.9)
+    tensors = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()}
+    with pytest.raises(autorecompute.CaptureError, match="pass nn.Parameter values"):
+        torch.func.functional_call(compiled, tensors, (torch.randn(4, 8),))

@@ -175,7 +175,8 @@ def test_saved_views_restore_and_a_retained_graph_backwards_twice(tmp_path):
                                      offload_dir=str(tmp_path), solver_time_limit=SOLVER_TIME)
     out = compiled(x)
     assert compiled.plan.count("offload") > 0
-    out.sum().backward(retain_graph=True)
+    with pytest.warns(UserWarning, match="keeps its graph"):     # (over the budget: not measured here)
+        out.sum().backward(retain_graph=True)
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, expected[n]), n
     out.sum().backward()

@@ -517,6 +517,14 @@ def stash_rematerialize(runtime: StashRuntime, tensor: torch.Tensor, name: str, 
     return stash
 
 
+def distributed() -> bool:
+    """Whether ``torch.distributed`` is initialized: parameter gradients then stay on the device. Offloaded
+    from their accumulation (a post-accumulate-grad hook, which runs inside AccumulateGrad, before that node's
+    own hooks), they are gone when DistributedDataParallel's reducer reads them there to fill its buckets: it
+    reduced zeros, and its buckets hold every gradient anyway."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 class _RestoreAtBackwardEnd:
     """Queued on autograd's engine at a backward's first offloaded gradient; called when that backward ends,
     it puts the gradients back in ``.grad``. A backward that fails — an exception in a hook, Ctrl-C — drops
