@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from autorecompute.budget import format_bytes, parse_budget
-from autorecompute.errors import PartialBackwardWarning, ReplanningWarning, user_stacklevel
+from autorecompute.errors import PartialBackwardWarning, ReplanningWarning, user_location, user_stacklevel
 from autorecompute.passes.capture import callers_autocast
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
@@ -372,6 +372,9 @@ class CompiledModule(torch.nn.Module):
             self.__dict__["_told_cache"] = True
         return changed
 
+    # planning is Python over fake tensors: under torch.compile(opt) dynamo would trace into it (recompiling
+    # its helpers per tensor until its limit, for seconds); it graph-breaks here instead and runs it as is
+    @torch.compiler.disable
     def _planned(self, args: tuple, kwargs: dict) -> Planned:
         # every call: the key from the inputs and the model's state (one walk; the gradients that exist make a
         # state of their own: with gradient accumulation the later micro-batches start with them resident);
@@ -444,9 +447,9 @@ class CompiledModule(torch.nn.Module):
         kwargs = self._without_cache(kwargs)
         planned = self._planned(args, kwargs)
         outputs = planned.module(*args, **kwargs)
-        if not self.__dict__.get("_told_retain"):
-            _watch_retained_graph(self, outputs)
         if not planned.backward_watched:
+            if not self.__dict__.get("_told_retain"):
+                _watch_retained_graph(self, outputs)
             planned.backward_watched = True
             self._watch_backward(outputs)
         return outputs
@@ -558,9 +561,10 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
 
 def _without_cache(model: torch.nn.Module, kwargs: dict, tell: bool = True) -> dict:
     """``kwargs`` with ``use_cache=False`` for a model whose config turns a key/value cache on (HF decoders'
-    default) and whose forward takes it, unless the caller passed it (a warning says so when ``tell``). A
-    training step does not read the cache, and export cannot flatten one; transformers' own gradient
-    checkpointing turns it off too."""
+    default) and whose forward takes it, unless the caller passed it. A training step does not read the
+    cache, and export cannot flatten one; transformers' own gradient checkpointing turns it off too. A warning
+    says so when ``tell`` and the model generates (an encoder such as BERT takes the flag and makes no cache:
+    nothing changes for it)."""
     if "use_cache" in kwargs or getattr(getattr(model, "config", None), "use_cache", None) is not True:
         return kwargs
     try:
@@ -569,7 +573,8 @@ def _without_cache(model: torch.nn.Module, kwargs: dict, tell: bool = True) -> d
         takes_it = False
     if not takes_it:
         return kwargs
-    if tell:
+    generates = getattr(model, "can_generate", None)
+    if tell and callable(generates) and generates():
         warnings.warn(f"{type(model).__name__}.config.use_cache is True: autorecompute passes use_cache=False to "
                       "its training steps (a key/value cache is for generation; transformers' gradient "
                       "checkpointing does the same). Set config.use_cache = False, or pass use_cache=False, to "
@@ -581,23 +586,26 @@ def _watch_retained_graph(compiled: CompiledModule, outputs) -> None:
     """Warns, once, when a backward from ``outputs`` keeps the graph (``retain_graph=True``): autograd then
     keeps every saved tensor until the graph is freed, where the plan counts each freed after its op's
     backward (GPT at 0.6 of its peak: 11.2 MiB through the first backward against an 8.2-MiB budget). Eager
-    keeps everything anyway, so this is no worse than eager's peak."""
+    keeps everything anyway, so this is no worse than eager's peak. Checked on each plan's first step, as
+    :meth:`CompiledModule._watch_backward` is (the hook is a graph break under compiled autograd)."""
     keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     if keeps_graph is None:
         return
-    ref = weakref.ref(compiled)
+    ref, called_at = weakref.ref(compiled), user_location()
 
     def check(grad):
         live = ref()
         if live is None or live.__dict__.get("_told_retain") or not keeps_graph():
             return
         live.__dict__["_told_retain"] = True
-        warnings.warn(
+        # the user's backward() line; on autograd's device threads (CUDA) there is none: the forward call's
+        filename, line = user_location(in_backward=True) or called_at or ("<unknown>", 0)
+        warnings.warn_explicit(
             f"A backward through {type(live.model).__name__} keeps its graph (retain_graph=True, or create_graph="
             "True): autograd keeps every tensor it saved until the graph is freed, where the plan counts each "
             "freed once its op's backward is done, so this step can go over the budget. Fix: one backward per "
-            "forward (sum the losses first), or budget for all saved tensors at once.",
-            UserWarning, stacklevel=user_stacklevel(in_backward=True))
+            "forward (sum the losses first); for a double backward (a gradient penalty), budget for all saved "
+            "tensors at once.", UserWarning, filename, line)
 
     for tensor in output_tensors_for_backward(outputs):
         tensor.register_hook(check)
@@ -610,10 +618,12 @@ def _original(model: torch.nn.Module) -> torch.nn.Module:
     if isinstance(model, CompiledModule):
         model = model.__dict__["_model"]
     if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        raise ValueError(
-            f"{type(model).__name__} cannot be captured (it synchronizes gradients outside its forward). Fix: "
-            f"compile the module it wraps and wrap the compiled module instead: "
-            f"{type(model).__name__}(autorecompute.compile(model, budget=...)).")
+        fix = ("it wraps a compiled module already: use it as is" if isinstance(model.module, CompiledModule) else
+               "compile the module it wraps and wrap the compiled module instead: DistributedDataParallel("
+               "autorecompute.compile(model, budget=...))" + (" (PyTorch recommends DistributedDataParallel over "
+                                                               "DataParallel)" if isinstance(model, torch.nn.DataParallel) else ""))
+        raise ValueError(f"{type(model).__name__} cannot be captured (it synchronizes gradients outside its "
+                         f"forward). Fix: {fix}.")
     inner = [path for path, module in model.named_modules() if isinstance(module, CompiledModule)]
     if inner:
         raise ValueError(

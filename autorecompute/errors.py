@@ -73,16 +73,32 @@ class PartialBackwardWarning(UserWarning):
 
 def user_stacklevel(in_backward: bool = False) -> int:
     """The ``stacklevel`` of a warning raised by the caller of this function that names the first frame outside
-    autorecompute (its passes included) and torch.nn (forward runs under nn.Module's call machinery, one frame
-    more with hooks or Module.compile()): the user's line that made the step. ``in_backward``: a hook the
+    autorecompute (its passes included), torch.nn (forward runs under nn.Module's call machinery, one frame
+    more with hooks or Module.compile()) and torch._dynamo: the user's line that made the step. ``in_backward``: a hook the
     autograd engine calls, outside all of torch (the user's ``loss.backward()``)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_library_paths(in_backward)):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def user_location(in_backward: bool = False) -> tuple[str, int] | None:
+    """``(filename, line)`` of the frame :func:`user_stacklevel` names, or None where the stack has none (a
+    backward hook on autograd's device threads, which run no Python frame of the user's)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_library_paths(in_backward)):
+        frame = frame.f_back
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+
+
+def _library_paths(in_backward: bool) -> tuple[str, ...]:
+    """autorecompute, and the torch packages between it and the user: nn.Module's call machinery and dynamo's
+    (planning runs under ``torch.compiler.disable``), all of torch from a backward hook."""
+    import torch._dynamo
     import torch.nn
 
     import autorecompute.passes
 
-    inside = (os.path.dirname(__file__), *autorecompute.passes.__path__,
-              os.path.dirname(torch.__file__ if in_backward else torch.nn.__file__))
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(inside):
-        level, frame = level + 1, frame.f_back
-    return level
+    torch_parts = [torch.__file__] if in_backward else [torch.nn.__file__, torch._dynamo.__file__]
+    return tuple(os.path.join(path, "") for path in (
+        os.path.dirname(__file__), *autorecompute.passes.__path__, *map(os.path.dirname, torch_parts)))

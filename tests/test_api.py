@@ -765,15 +765,18 @@ def test_under_distributed_data_parallel_gradients_stay_on_the_device(tmp_path):
         assert compiled.plan.gradients_offloaded() == []
         assert "under torch.distributed" in compiled.plan.signature
         assert_bitwise_equal(step, measured_step(reference, reference, case.args, {}))
-        with pytest.raises(ValueError, match=r"DistributedDataParallel\(autorecompute.compile\(model"):
+        with pytest.raises(ValueError, match="wraps a compiled module already: use it as is"):
             autorecompute.compile(wrapped, budget=0.5)
+        with pytest.raises(ValueError, match=r"DistributedDataParallel\(autorecompute.compile\(model"):
+            autorecompute.compile(torch.nn.parallel.DistributedDataParallel(reference), budget=0.5)
     finally:
         dist.destroy_process_group()
 
 
 def test_a_backward_that_keeps_the_graph_warns_once():
     """retain_graph=True keeps every saved tensor to the end of backward, which the plan does not count on:
-    GPT at 0.6 measures above its budget then (and within it without). Said once; a plain backward is quiet."""
+    GPT at 0.6 measures above its budget then (and within it without). Said once, at the user's backward()
+    line, when a plan's first step does it; a plain backward is quiet."""
     case = models.make("gpt")
     compiled = autorecompute.compile(case.model, budget=0.6, solver_time_limit=SOLVER_TIME)
     compiled.prepare(*case.args)
@@ -782,6 +785,8 @@ def test_a_backward_that_keeps_the_graph_warns_once():
         assert measured_step(compiled, case.model, case.args, {}).peak <= compiled.plan.budget
     for p in case.model.parameters():
         p.grad = None
+    compiled = autorecompute.compile(case.model, budget=0.6, solver_time_limit=SOLVER_TIME)   # a plan's first step
+    compiled.prepare(*case.args)
     resident = sum(t.nbytes for t in [*case.model.parameters(), *case.model.buffers(), *case.args])
     tracker = autorecompute.runtime.memory.LiveStorageTracker()
     with pytest.warns(UserWarning, match="keeps its graph") as told, tracker:
@@ -792,3 +797,24 @@ def test_a_backward_that_keeps_the_graph_warns_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")          # once
         loss.backward()
+
+
+def test_torch_compile_over_a_compiled_module_plans_outside_dynamo():
+    """torch.compile(opt) at a first call that plans: dynamo breaks the graph at planning (Python over fake
+    tensors, which it traced into, recompiling its helpers per tensor up to its limit) and traces the step
+    planned; the step is eager's, bit for bit."""
+    import torch._dynamo
+
+    case = models.make("mlp")
+    compiled = autorecompute.compile(case.model, budget=0.6, solver_time_limit=SOLVER_TIME)
+    traced = torch.compile(compiled, backend="eager")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+        torch.manual_seed(0)
+        traced(*case.args).sum().backward()         # no prepare(): the first call plans
+    grads = {n: p.grad.clone() for n, p in case.model.named_parameters()}
+    case.model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    case.model(*case.args).sum().backward()
+    assert compiled.plan is not None and compiled.plan.count("recompute") > 0
+    assert all(torch.equal(grads[n], p.grad) for n, p in case.model.named_parameters())

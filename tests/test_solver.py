@@ -133,22 +133,26 @@ def test_cpsat_agrees_with_the_memory_model_on_random_problems(problem):
 @given(random_problems(), st.data())
 def test_cpsat_over_a_window_matches_brute_force_with_the_rest_fixed(problem, data):
     """With the ops outside a window fixed to the hint's decisions (region cuts among them), CP-SAT's optimum
-    equals brute force over the window's assignments, for both objectives, and the rest is left as it was."""
+    equals brute force over the window's assignments, for both objectives, and the rest is left as it was;
+    the hint's cuts inside the window are decided anew (plain recomputation or not)."""
     from autorecompute.memory_model import NEW_REGION
 
     ops = sorted(problem.recomputable)
     window = frozenset(data.draw(st.sets(st.sampled_from(ops))))
     # (cuts matter between recomputed ops: drawn more often than a kept op)
     outside = {op: data.draw(st.sampled_from([False, True, NEW_REGION, NEW_REGION])) for op in ops if op not in window}
+    cut_inside = data.draw(st.sets(st.sampled_from(sorted(window)))) if window else set()   # decided anew
+    hint = {**outside, **dict.fromkeys(cut_inside, NEW_REGION)}
     plans = [{**outside, **dict(zip(sorted(window), bits))}
              for bits in itertools.product([False, True], repeat=len(window))]
     peaks = [predicted_peak(problem, r) for r in plans]
-    lowest = cpsat.solve(problem, minimize="peak", time_limit=5, hint=outside, window=window)
+    lowest = cpsat.solve(problem, minimize="peak", time_limit=5, hint=hint, window=window)
     assert lowest.status == "optimal"
     assert {op: lowest.recompute[op] for op in outside} == outside
+    assert all(lowest.recompute[op] in (False, True) for op in window)
     assert predicted_peak(problem, lowest.recompute) == min(peaks)
     budget = sorted(peaks)[len(peaks) // 2]
-    cheapest = cpsat.solve(problem, budget=budget, minimize="cost", time_limit=5, hint=outside, window=window)
+    cheapest = cpsat.solve(problem, budget=budget, minimize="cost", time_limit=5, hint=hint, window=window)
     assert cheapest.status == "optimal"
     assert {op: cheapest.recompute[op] for op in outside} == outside
     assert predicted_peak(problem, cheapest.recompute) <= budget
@@ -168,6 +172,20 @@ def test_cpsat_scores_a_fixed_plan_with_region_cuts_as_the_memory_model_does(pro
     assert cpsat.solve(problem, minimize="peak", time_limit=5, hint=plan, window=frozenset()).objective == peak
     costed = cpsat.solve(problem, budget=peak, minimize="cost", time_limit=5, hint=plan, window=frozenset())
     assert costed.objective == pytest.approx(cost, abs=1e-6 * max(1, cost))
+
+
+def test_a_fixed_cut_makes_the_tensor_between_two_regions_an_input_held_by_the_second():
+    """a, then b starting a region of its own: a's output, saved by b, is the second region's input, held
+    from forward to b's backward (150 B at position 2); as one region it would be made again (100 B)."""
+    from autorecompute.memory_model import NEW_REGION
+
+    h = Activation("h", owner="a", nbytes=100, hold_start=2, savers=("b",), readers=("b",), save_end=4, read_end=4)
+    problem = Problem(chain=("a", "b", "c"), recomputable=frozenset("abc"), cost=dict.fromkeys("abc", 1),
+                      flops={}, activations=(h,), fixed=(0, 0, 50, 0, 0, 0), num_forward=3,
+                      backward_op={3: "c", 4: "b", 5: "a"})
+    plan = {"a": True, "b": NEW_REGION, "c": False}
+    assert predicted_peak(problem, plan) == 150 and predicted_peak(problem, {"a": True, "b": True}) == 100
+    assert cpsat.solve(problem, minimize="peak", hint=plan, window=frozenset()).objective == 150
 
 
 def test_a_fixed_cut_ends_the_region_before_it_for_checkpoints_early_stop():
