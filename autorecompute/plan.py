@@ -248,8 +248,9 @@ class Plan:
             "  activation bytes off the device by action: " + ", ".join(
                 f"{action} {format_bytes(n)}" for action, n in sorted(self.bytes_by_action().items())),
             f"  solver          {self.solver_status} (least extra {self.objective}), {self.solver_time:.2f} s, "
-            f"gap {100 * self.solver_gap:.1f}%"
-            f"; plan made in {self.plan_time:.2f} s",
+            # a gap of 1: no lower bound above 0 was proven (a plan of the local search or of windows), not a bad plan
+            + (f"gap {100 * self.solver_gap:.1f}%" if self.solver_gap < 1 else "gap unknown (no lower bound proven)")
+            + f"; plan made in {self.plan_time:.2f} s",
         ])
 
     def gradients_offloaded(self) -> list[str]:

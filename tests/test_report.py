@@ -1,4 +1,5 @@
 """Reading a plan: every dump format for three models, JSON round trip, the timeline picture."""
+import dataclasses
 import json
 import shutil
 
@@ -76,6 +77,9 @@ def test_printed_plan_has_summary_and_a_folded_table(plan):
     for word in ("budget", "predicted peak", "baseline peak", "minimum peak", "solver", "gap", "why"):
         assert word in text
     assert len(text.splitlines()) < 400
+    # a plan no lower bound was proven for (local search, windows): its gap is unknown, not 100%
+    unbounded = dataclasses.replace(plan, solver_gap=1.0).summary()
+    assert "gap unknown (no lower bound proven)" in unbounded and "gap 100" not in unbounded
     rows = plan.table()
     assert len(rows) == len(plan.decisions)
     assert {"name", "module", "shape", "dtype", "bytes", "action", "why"} <= set(rows[0])
