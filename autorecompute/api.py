@@ -8,7 +8,7 @@ import os
 import re
 import warnings
 import weakref
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
@@ -567,11 +567,7 @@ def _without_cache(model: torch.nn.Module, kwargs: dict, tell: bool = True) -> d
     nothing changes for it)."""
     if "use_cache" in kwargs or getattr(getattr(model, "config", None), "use_cache", None) is not True:
         return kwargs
-    try:
-        takes_it = "use_cache" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        takes_it = False
-    if not takes_it:
+    if not _takes_keyword(getattr(model.forward, "__func__", model.forward), "use_cache"):
         return kwargs
     generates = getattr(model, "can_generate", None)
     if tell and callable(generates) and generates():
@@ -580,6 +576,15 @@ def _without_cache(model: torch.nn.Module, kwargs: dict, tell: bool = True) -> d
                       "checkpointing does the same). Set config.use_cache = False, or pass use_cache=False, to "
                       "silence this.", UserWarning, stacklevel=user_stacklevel())
     return {**kwargs, "use_cache": False}
+
+
+@lru_cache(maxsize=None)
+def _takes_keyword(function, name: str) -> bool:
+    """Whether ``function`` has a parameter ``name`` (read once per function: the check runs every step)."""
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _watch_retained_graph(compiled: CompiledModule, outputs) -> None:

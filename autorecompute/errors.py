@@ -74,21 +74,26 @@ class PartialBackwardWarning(UserWarning):
 def user_stacklevel(in_backward: bool = False) -> int:
     """The ``stacklevel`` of a warning raised by the caller of this function that names the first frame outside
     autorecompute (its passes included), torch.nn (forward runs under nn.Module's call machinery, one frame
-    more with hooks or Module.compile()) and torch._dynamo: the user's line that made the step. ``in_backward``: a hook the
-    autograd engine calls, outside all of torch (the user's ``loss.backward()``)."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_library_paths(in_backward)):
-        level, frame = level + 1, frame.f_back
-    return level
+    more with hooks or Module.compile()) and torch._dynamo: the user's line that made the step.
+    ``in_backward``: a hook the autograd engine calls, outside all of torch (the user's ``loss.backward()``)."""
+    return _user_frame(in_backward)[0]
 
 
 def user_location(in_backward: bool = False) -> tuple[str, int] | None:
     """``(filename, line)`` of the frame :func:`user_stacklevel` names, or None where the stack has none (a
     backward hook on autograd's device threads, which run no Python frame of the user's)."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_library_paths(in_backward)):
-        frame = frame.f_back
+    frame = _user_frame(in_backward)[1]
     return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+
+
+def _user_frame(in_backward: bool):
+    """``(stacklevel, frame)`` of the first frame outside the library paths, counted from the caller of the
+    function that called this one (frame None where the stack ends first)."""
+    inside = _library_paths(in_backward)
+    level, frame = 1, sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        level, frame = level + 1, frame.f_back
+    return level, frame
 
 
 def _library_paths(in_backward: bool) -> tuple[str, ...]:

@@ -351,8 +351,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
                     # Llama at √N's peak: 269 → 240 MFLOP)
                     other = greedy.lower_cost(problem, internal, greedy.descend(problem, internal, lowest["decisions"]),
                                               work=int(COST_SEARCH_WORK * options.solver_time_limit))
-                    if predicted_peak(problem, *other) <= internal and \
-                            extra_cost(problem, *other) < extra_cost(problem, *polished):
+                    if _fits_cheaper(problem, internal, other, than=polished):
                         polished = other
                 if extra_cost(problem, *polished) < extra_cost(problem, *best):
                     best, status = polished, "feasible (local search)"
@@ -361,8 +360,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
                     # (6-layer Llama at batch 16, at √N's peak: 407 → 344 MFLOP)
                     windowed = cpsat.solve_in_windows(problem, best, budget=internal,
                                                       time_limit=options.solver_time_limit, seed=options.seed)
-                    if predicted_peak(problem, *windowed) <= internal and \
-                            extra_cost(problem, *windowed) < extra_cost(problem, *best):
+                    if _fits_cheaper(problem, internal, windowed, than=best):
                         best, status = windowed, "feasible (cp-sat windows)"
                 cost_solve_time += time.perf_counter() - t
             cost = extra_cost(problem, *best)
@@ -427,6 +425,11 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     # ops (the same kernels and allocations as verified; a microsecond less per call)
     rewrite_calls(module.graph_module if isinstance(module, StashedModule) else module)
     return Planned(plan=plan, module=module)
+
+
+def _fits_cheaper(problem: Problem, budget: int, plan: Decisions, than: Decisions) -> bool:
+    """Whether ``plan`` fits ``budget`` in the memory model and costs less than ``than``."""
+    return predicted_peak(problem, *plan) <= budget and extra_cost(problem, *plan) < extra_cost(problem, *than)
 
 
 def _stash_records(gm: torch.fx.GraphModule, problem: Problem, stash: dict[str, str]) -> dict[str, StashRecord]:

@@ -5,6 +5,7 @@ Integers only: bytes are divided by a unit (rounded so that the model never unde
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import sys
@@ -612,8 +613,9 @@ def solve_in_windows(problem: Problem, start: greedy.Decisions, *, budget: int |
     whose whole model CP-SAT cannot solve in the limit.
 
     Each window spans ``width`` consecutive recomputable ops (and the ops between them), half overlapping the
-    one before (parameter gradients, made by no op of the chain, keep the start's offload choices); :func:`solve` decides the window's ops and the stash choices of the activations they make,
-    from the best plan so far, which keeps the rest. A result is kept when the memory model scores it better
+    one before; :func:`solve` decides the window's ops and the stash choices of the activations they make,
+    from the best plan so far, which keeps the rest (parameter gradients, made by no op of the chain, keep
+    the start's offload choices). A result is kept when the memory model scores it better
     (under ``budget``: cheaper; ``minimize="peak"``: lower). Passes over the chain until one changes nothing,
     or ``time_limit`` — each window counted at :data:`WINDOW_SECONDS`, the deterministic time it may use,
     so the result does not depend on the machine — is spent three times over: the full model had that long.
@@ -657,18 +659,18 @@ def solve_in_windows(problem: Problem, start: greedy.Decisions, *, budget: int |
     best = (dict(start[0]), effective_stash(problem, start[0], start[1]))
     best_score = score(best)
     left = max(1, math.ceil(3 * time_limit / WINDOW_SECONDS))
-    unchanged = 0
-    while left > 0 and unchanged < len(windows):
-        for window in windows:
-            if left <= 0 or unchanged >= len(windows):
-                break
-            left -= 1
-            result = solve(problem, budget=budget, minimize=minimize, time_limit=WINDOW_SECONDS, seed=seed,
-                           hint=best[0], hint_stash=best[1], window=window)
-            found = None if result.recompute is None else (
-                result.recompute, effective_stash(problem, result.recompute, result.stash))
-            if found is not None and score(found) < best_score:
-                best, best_score, unchanged = found, score(found), 0
-            else:
-                unchanged += 1
+    unchanged = 0     # windows in a row that found nothing better: a whole pass of them ends the search
+    for window in itertools.cycle(windows):
+        if left <= 0 or unchanged >= len(windows):
+            break
+        left -= 1
+        result = solve(problem, budget=budget, minimize=minimize, time_limit=WINDOW_SECONDS, seed=seed,
+                       hint=best[0], hint_stash=best[1], window=window)
+        found = None if result.recompute is None else (
+            result.recompute, effective_stash(problem, result.recompute, result.stash))
+        found_score = None if found is None else score(found)
+        if found_score is not None and found_score < best_score:
+            best, best_score, unchanged = found, found_score, 0
+        else:
+            unchanged += 1
     return best
