@@ -29,6 +29,9 @@ class TransferModel:
         op_seconds: fixed cost of running one op again (dispatch, launch).
         region_seconds: fixed cost of one recomputed region (a checkpoint call: hooks, RNG state, replay).
         stash_seconds: fixed cost of one rematerialized or compressed tensor (hooks, bookkeeping).
+        overlaps_compute: whether transfers run beside the compute (a GPU's copy engines) and so can be
+            hidden behind it and prefetched; False where they take the compute's own cores (a CPU's disk
+            tier copies on the calling thread), so every transfer is paid in full.
     """
 
     flops_per_second: float
@@ -40,9 +43,12 @@ class TransferModel:
     op_seconds: float = 10e-6
     region_seconds: float = 400e-6
     stash_seconds: float = 200e-6
+    overlaps_compute: bool = True
 
     def __post_init__(self):
         for name, value in asdict(self).items():
+            if isinstance(value, bool):
+                continue
             if not value >= 0 or (not name.endswith("seconds") and not value > 0):
                 raise ValueError(f"TransferModel.{name}={value!r} must be a positive number")
 
@@ -53,13 +59,15 @@ class TransferModel:
         return cost / self.flops_per_second
 
 
-# CPU (measured on the 2-core CI machine, torch 2.14): ~100 GFLOP/s on mid-sized matmuls, a file in the page
-# cache ~1 GB/s each way, GELU writes ~4 GB/s after ~10 µs of dispatch, dropout draws ~0.3 GB/s of numbers (bernoulli; 256 KiB in ~0.8 ms), a
+# CPU (measured on the 2-core CI machine, torch 2.14): ~100 GFLOP/s on mid-sized matmuls; the disk tier
+# writes and reads its file in the page cache at 4-9 GB/s on the calling thread, and an offloaded tensor costs
+# ~80 µs of hooks, stash nodes and system calls besides its bytes (12-layer GPT-2 with 311 tensors offloaded:
+# +35 ms over eager measured, +33 ms priced); GELU writes ~4 GB/s after ~10 µs of dispatch, dropout draws ~0.3 GB/s of numbers (bernoulli; 256 KiB in ~0.8 ms), a
 # non-reentrant checkpoint call ~430 µs of forward + backward overhead, a rematerialized tensor ~200 µs of
 # hooks and bookkeeping besides its op.
-CPU_DISK = TransferModel(flops_per_second=100e9, write_bytes_per_second=1e9, read_bytes_per_second=1e9,
-                         per_transfer_seconds=50e-6, memory_bytes_per_second=4e9, random_bytes_per_second=0.35e9,
-                         op_seconds=10e-6, region_seconds=400e-6, stash_seconds=200e-6)
+CPU_DISK = TransferModel(flops_per_second=100e9, write_bytes_per_second=4e9, read_bytes_per_second=4e9,
+                         per_transfer_seconds=40e-6, memory_bytes_per_second=4e9, random_bytes_per_second=0.35e9,
+                         op_seconds=10e-6, region_seconds=400e-6, stash_seconds=200e-6, overlaps_compute=False)
 # CUDA: PCIe Gen4/5 pinned copies ~20 GB/s each way; a large GPU sustains ~100 TFLOP/s in bf16 matmuls and
 # ~2 TB/s in elementwise kernels (Philox dropout about as fast); a launch from eager Python ~10 µs.
 CUDA_HOST = TransferModel(flops_per_second=100e12, write_bytes_per_second=20e9, read_bytes_per_second=20e9,
@@ -91,7 +99,7 @@ def default_for(device_type: str) -> TransferModel:
     return CUDA_HOST if device_type in ("cuda", "meta") else CPU_DISK
 
 
-MEASURE_CACHE_FORMAT = 2     # the layout of measure()'s cache file (1: the bare TransferModel fields)
+MEASURE_CACHE_FORMAT = 3     # the layout of measure()'s cache file (1: the bare TransferModel fields; 2: no overlap)
 
 
 def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | None = None) -> TransferModel:
@@ -113,18 +121,22 @@ def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | N
                 return TransferModel(**saved["model"])
         except (ValueError, TypeError, KeyError, AttributeError):
             pass         # unreadable or another format: measure again
+    from autorecompute.runtime.tiers import DiskTier
+
     data = torch.randn(nbytes // 4)
     target = torch.empty_like(data)
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        path = os.path.join(tmp, "probe.bin")
-        started = time.perf_counter()
-        with open(path, "wb") as f:
-            f.write(memoryview(data.view(torch.uint8).numpy()))
-        write = time.perf_counter() - started
-        started = time.perf_counter()
-        with open(path, "rb") as f:
-            f.readinto(memoryview(target.view(torch.uint8).numpy()))
-        read = time.perf_counter() - started
+    tier = DiskTier(directory)
+    try:
+        for _ in range(2):        # the second round is a step's steady state: the file's pages exist
+            started = time.perf_counter()
+            stored, _ = tier.store(data, "probe")
+            write = time.perf_counter() - started
+            started = time.perf_counter()
+            tier.load(stored, target, "probe").wait()
+            read = time.perf_counter() - started
+            tier.release(stored)
+    finally:
+        tier.close()
     a = torch.randn(1024, 1024)
     a @ a                # the first call pays for the kernel's setup, not the FLOPs
     started = time.perf_counter()
@@ -134,11 +146,11 @@ def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | N
     # the memory-bound and call costs scale with the compute measured here, relative to the defaults
     scale = flops / CPU_DISK.flops_per_second
     model = TransferModel(flops_per_second=flops, write_bytes_per_second=nbytes / write,
-                          read_bytes_per_second=nbytes / read, per_transfer_seconds=CPU_DISK.per_transfer_seconds,
+                          read_bytes_per_second=nbytes / read, per_transfer_seconds=CPU_DISK.per_transfer_seconds / scale,
                           memory_bytes_per_second=CPU_DISK.memory_bytes_per_second * scale,
                           random_bytes_per_second=CPU_DISK.random_bytes_per_second * scale,
                           op_seconds=CPU_DISK.op_seconds / scale, region_seconds=CPU_DISK.region_seconds / scale,
-                          stash_seconds=CPU_DISK.stash_seconds / scale)
+                          stash_seconds=CPU_DISK.stash_seconds / scale, overlaps_compute=CPU_DISK.overlaps_compute)
     os.makedirs(os.path.dirname(cache), exist_ok=True)
     with open(cache, "w") as f:
         json.dump({"measured_for": measured_for, "model": asdict(model)}, f)

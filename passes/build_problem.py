@@ -257,6 +257,8 @@ def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forw
     (``work``, cost units per position) cannot hide is cost, plus a fixed overhead per transfer. The
     prefetch point is the latest that hides the copy back (at most ``MAX_PREFETCH_LEAD`` positions ahead).
     ``offload:late`` skips the prefetch: the copy back starts at the first use (less memory, more time).
+    Where transfers do not overlap the compute (``offload.overlaps_compute`` False: a CPU's disk tier) nothing
+    is hidden and a prefetch would only hold memory earlier: ``offload:late`` alone.
     Compress: the casts' bytes, plus a small penalty per byte for the loss of precision.
     """
     pack = min(saver_positions, default=act.hold_start - 1)
@@ -264,20 +266,31 @@ def stash_options(tensor: TensorInfo, act: Activation, work: list[int], num_forw
     options = []
     if offload is not None:
         write = act.nbytes / offload.write_bytes_per_second
-        hidden_write = offload.compute_seconds(sum(work[pack + 1:act.hold_start]))
         read = act.nbytes / offload.read_bytes_per_second
+        overhead = 2 * offload.per_transfer_seconds
         restored_from, hidden_read = first_use, 0.0
-        while restored_from > max(num_forward, first_use - MAX_PREFETCH_LEAD) and hidden_read < read:
-            restored_from -= 1
-            hidden_read += offload.compute_seconds(work[restored_from])
-        exposed_write = max(0.0, write - hidden_write) + 2 * offload.per_transfer_seconds
-        options.append(StashOption("offload", stored_bytes=0, stored_from=act.hold_start, restored_from=restored_from,
-                                   cost=1 + offload.seconds_to_cost(exposed_write + max(0.0, read - hidden_read))))
-        if restored_from < first_use:
-            # the same without prefetch: less memory in backward, the whole copy back exposed
+        if offload.overlaps_compute:
+            hidden_write = offload.compute_seconds(sum(work[pack + 1:act.hold_start]))
+            while restored_from > max(num_forward, first_use - MAX_PREFETCH_LEAD) and hidden_read < read:
+                restored_from -= 1
+                hidden_read += offload.compute_seconds(work[restored_from])
+            exposed_write = max(0.0, write - hidden_write) + overhead
+            options.append(StashOption("offload", stored_bytes=0, stored_from=act.hold_start,
+                                       restored_from=restored_from,
+                                       cost=1 + offload.seconds_to_cost(exposed_write + max(0.0, read - hidden_read))))
+        else:
+            exposed_write = write + overhead     # nothing hides a copy, and a prefetch would only hold memory
+        if restored_from < first_use or not offload.overlaps_compute:
+            # without prefetch: less memory in backward, the whole copy back exposed
             options.append(StashOption("offload:late", stored_bytes=0, stored_from=act.hold_start,
                                        restored_from=first_use,
                                        cost=1 + offload.seconds_to_cost(exposed_write + read)))
+    return _with_compress(options, tensor, act, pack, first_use, compress_dtypes, device)
+
+
+def _with_compress(options: list[StashOption], tensor: TensorInfo, act: Activation, pack: int, first_use: int,
+                   compress_dtypes: tuple[str, ...], device: TransferModel) -> tuple[StashOption, ...]:
+    """``options`` and one compress option per dtype in ``compress_dtypes`` that takes ``tensor``."""
     dtype = getattr(torch, tensor.dtype, None)
     numel = 1
     for size in tensor.shape:

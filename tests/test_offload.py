@@ -1,5 +1,5 @@
 """Offload (disk tier on CPU) and compress, measured on real tensors: peak against budget, gradients against
-eager, the nodes in the rewritten graph, the files on disk, and the errors users get."""
+eager, the nodes in the rewritten graph, the offload file, and the errors users get."""
 import copy
 import errno
 import gc
@@ -41,16 +41,20 @@ def test_offload_goes_below_07_of_the_recompute_only_minimum(name, tmp_path):
         assert_bitwise_equal(eager, result)
         if budget < recompute_only:      # below what recomputation alone reaches, offload must be used
             assert compiled.plan.count("offload") > 0
-    assert os.listdir(tmp_path) == [] or all(not os.listdir(tmp_path / d) for d in os.listdir(tmp_path)), \
-        "offload files are removed once backward is done"
+        assert compiled.graph_module.stash_runtime.tier(case.args[0]).in_use == 0, "extents freed after backward"
 
 
 def test_graph_code_shows_offload_prefetch_and_cast_nodes():
+    """Where copies overlap the compute (a GPU's tier) offloaded tensors are prefetched before backward needs
+    them; on the CPU the copy takes the compute's own cores, so each comes back at its first use."""
     case = models.make("gpt")
-    offloading = autorecompute.compile(case.model, budget=0.5, actions=("offload",), solver_time_limit=SOLVER_TIME)
+    on_cpu = autorecompute.plan(case.model, *case.args, budget=0.5, actions=("offload",), solver_time_limit=SOLVER_TIME)
+    assert on_cpu.count("offload") > 0 and {r.action for r in on_cpu.stash.values()} == {"offload:late"}
+    offloading = autorecompute.compile(case.model, budget=0.5, actions=("offload",), solver_time_limit=SOLVER_TIME,
+                                       transfer=autorecompute.transfer.CUDA_HOST)
     offloading.prepare(*case.args)
     code, plan = offloading.graph_module.code, offloading.plan
-    assert plan.count("offload") > 0
+    assert plan.count("offload") > 0 and "offload" in {r.action for r in plan.stash.values()}
     assert "stash_offload(" in code and "stash_release(" in code and "stash_prefetch(" in code
     assert f"'{next(iter(plan.stash))}'" in code          # the node names the tensor it offloads
     text = str(plan)
@@ -111,40 +115,33 @@ def test_unwritable_offload_dir_fails_before_training(tmp_path):
 
 
 def test_a_full_disk_stops_the_step_with_an_error(monkeypatch, tmp_path):
-    """A write that fails mid-step (ENOSPC, after two files were written) raises OffloadError naming the
-    tensor; nothing is lost silently, and the files the failed step wrote are gone at once (the next step
-    needs the space)."""
+    """A write that fails mid-step (ENOSPC, after two tensors were written) raises OffloadError naming the
+    tensor; nothing is lost silently, the failed step's extents are free at once (the next step needs the
+    space: it lays its tensors out at the same offsets) and the next step is eager's."""
     case = models.make("mlp")
+    eager = measured_step(case.model, case.model, case.args, case.kwargs)
+    case.model.zero_grad(set_to_none=True)
     compiled = autorecompute.compile(case.model, budget=0.5, actions=("offload",), offload_dir=str(tmp_path),
                                      solver_time_limit=SOLVER_TIME)
     compiled.prepare(*case.args)
     assert compiled.plan.count("offload") > 2
-    written = []
+    written, pwrite = [], os.pwrite
 
-    class FullDisk:
-        def __init__(self, path, mode):
-            self.file = open(path, mode)
+    def full_disk(fd, data, offset):
+        if len(written) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(offset)
+        return pwrite(fd, data, offset)
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.file.close()
-            return False
-
-        def flush(self):
-            self.file.flush()
-
-        def write(self, data):
-            if len(written) == 2:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            written.append(self.file.name)
-            return self.file.write(data)
-
-    monkeypatch.setattr(tiers, "open", FullDisk, raising=False)
-    with pytest.raises(autorecompute.OffloadError, match="No space left on device.*Fix: free space"):
+    monkeypatch.setattr(tiers.os, "pwrite", full_disk)
+    with pytest.raises(autorecompute.OffloadError, match="activation '.*' .*No space left on device.*Fix: free space"):
         compiled(*case.args).sum().backward()
-    assert len(written) == 2 and not any(os.path.exists(path) for path in written)
+    assert len(written) == 2
+    monkeypatch.setattr(tiers.os, "pwrite", pwrite)
+    case.model.zero_grad(set_to_none=True)
+    disk = compiled.graph_module.stash_runtime.tier(case.args[0])
+    assert disk.in_use == 0         # nothing of the failed step holds space
+    assert_bitwise_equal(eager, measured_step(compiled, case.model, case.args, case.kwargs))
 
 
 def test_saved_views_restore_and_a_retained_graph_backwards_twice(tmp_path):
@@ -233,7 +230,7 @@ def test_parameter_gradients_leave_the_device_until_backward_ends(tmp_path):
     """A VGG-style net peaks late in backward, at its first, largest layers, while the gradients of the deep
     layers sit unread until the optimizer: offloading those from their accumulation to the end of backward
     reaches budgets below any activation plan's minimum. Every gradient is back (bitwise eager's) when
-    backward returns, the measured peak is the predicted one, and no file is left behind."""
+    backward returns, the measured peak is the predicted one, and nothing stays stored."""
     torch.manual_seed(0)
     case = models.make("vgg")
     model = case.model
@@ -249,7 +246,7 @@ def test_parameter_gradients_leave_the_device_until_backward_ends(tmp_path):
     assert result.peak == plan.predicted_peak <= budget
     assert_bitwise_equal(eager, result)
     assert all(p.grad is not None for p in model.parameters())
-    assert all(not files for _, _, files in os.walk(tmp_path))
+    assert compiled.graph_module.stash_runtime.tier(case.args[0]).in_use == 0     # every extent free
     # the hooks on the user's parameters go with the compiled module
     hooked = [p for p in model.parameters() if p._post_accumulate_grad_hooks]
     assert hooked
@@ -258,34 +255,37 @@ def test_parameter_gradients_leave_the_device_until_backward_ends(tmp_path):
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
 
 
-def test_an_offload_directory_removed_between_steps(tmp_path):
-    """Our folder under offload_dir removed between steps (a temp-dir cleaner) is made again and the step
-    runs; offload_dir itself removed is an OffloadError that names the missing directory and the fix."""
+def test_the_offload_file_has_no_name_so_nothing_can_remove_it(tmp_path):
+    """The disk tier's file is anonymous: while a step's activations are offloaded nothing is visible in
+    offload_dir (so a killed process leaves nothing behind), and a cleaner removing offload_dir itself
+    between steps changes nothing; the file's size stays one step's offloads."""
     import shutil
 
     case = models.make("mlp")
     root = tmp_path / "offload"
     root.mkdir()
+    eager = measured_step(case.model, case.model, case.args, case.kwargs)
+    case.model.zero_grad(set_to_none=True)
     compiled = autorecompute.compile(case.model, budget=0.5, actions=("offload",), offload_dir=str(root),
                                      solver_time_limit=SOLVER_TIME)
-    compiled(*case.args).sum().backward()
-    for folder in root.iterdir():
-        shutil.rmtree(folder)
-    case.model.zero_grad(set_to_none=True)
-    compiled(*case.args).sum().backward()
-    assert all(p.grad is not None for p in case.model.parameters())
+    out = compiled(*case.args)
+    disk = compiled.graph_module.stash_runtime.tier(case.args[0])
+    assert disk.in_use > 0 and os.listdir(root) == []
+    out.sum().backward()
+    size = os.fstat(disk._file.fileno()).st_size
+    assert disk.in_use == 0 and size > 0
     shutil.rmtree(root)
     case.model.zero_grad(set_to_none=True)
-    with pytest.raises(autorecompute.OffloadError, match="No such file or directory.*Fix: make the directory again"):
-        compiled(*case.args).sum().backward()
+    assert_bitwise_equal(eager, measured_step(compiled, case.model, case.args, case.kwargs))
+    assert os.fstat(disk._file.fileno()).st_size == size
 
 
 def _gradient_offloading_mlp(tmp_path):
-    """An 8-layer MLP and a plan that offloads the last three layers' weight gradients (at half its peak)."""
+    """An 8-layer MLP and a plan that offloads the last layers' gradients (at 0.4 of its peak)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.GELU()) for _ in range(8)])
     eager, x = copy.deepcopy(model), torch.randn(512, 128)
-    compiled = autorecompute.compile(model, budget=0.5, offload_dir=str(tmp_path), solver_time_limit=SOLVER_TIME)
+    compiled = autorecompute.compile(model, budget=0.4, offload_dir=str(tmp_path), solver_time_limit=SOLVER_TIME)
     assert compiled.prepare(x).gradients_offloaded()
     return model, compiled, eager, x
 
@@ -294,7 +294,7 @@ def test_a_failed_backward_leaves_eagers_gradients_and_no_files(tmp_path):
     """A backward that raises after some gradients were offloaded (here a hook on the first layer, reached
     last; Ctrl-C does the same) drops autograd's end-of-backward callback: the gradients come back anyway
     when that backward is released, as eager's partial ones, and later steps get every gradient. Before,
-    those parameters had no gradient at any later step and each step left three files behind."""
+    those parameters had no gradient at any later step and each step left three stored gradients behind."""
     model, compiled, eager, x = _gradient_offloading_mlp(tmp_path)
     fail = [True]
 
@@ -313,7 +313,7 @@ def test_a_failed_backward_leaves_eagers_gradients_and_no_files(tmp_path):
             net.zero_grad(set_to_none=True)
             module(x).sum().backward()
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
-        assert all(not files for _, _, files in os.walk(tmp_path))
+        assert compiled.graph_module.stash_runtime.tier(x).in_use == 0
 
 
 def test_create_graph_keeps_the_gradients_graph_with_a_warning(tmp_path):

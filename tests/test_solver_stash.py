@@ -12,7 +12,7 @@ from autorecompute.passes.profile import TensorInfo
 from autorecompute.problem import Activation, Problem, StashOption
 from autorecompute.solvers import cpsat, greedy
 from strategies import activations, early_stop_saves
-from autorecompute.transfer import TransferModel
+from autorecompute.transfer import CPU_DISK, CUDA_HOST, TransferModel
 
 KIB = 1024
 
@@ -124,6 +124,23 @@ def test_offload_cost_is_the_transfer_compute_cannot_hide():
     assert [o.action for o in compress] == ["compress:bfloat16", "compress:int8"]
     assert compress[0].stored_bytes == 500_000 and compress[1].stored_bytes == 250_000 + 4
 
+
+
+def test_where_copies_take_the_computes_cores_nothing_hides_them_and_nothing_is_prefetched():
+    """The CPU's disk tier copies on the training thread (``overlaps_compute=False``): the same busy windows
+    hide nothing, and the one option is ``offload:late`` (a prefetch would hold the memory earlier for no
+    time saved). Before, the CPU model hid the copies: 12-layer GPT-2's default plan measured +129 ms over
+    eager where it was priced +54 ms."""
+    cpu = TransferModel(flops_per_second=1e9, write_bytes_per_second=1e9, read_bytes_per_second=1e9,
+                        per_transfer_seconds=1e-6, overlaps_compute=False)
+    tensor = TensorInfo("t", "op0", 1_000_000, (250_000,), "float32", birth=0, last_forward_use=2)
+    act = Activation("t", "op0", 1_000_000, hold_start=3, savers=("op1",), readers=("op1",), save_end=6, read_end=6)
+    busy = [0, 0, 10**7, 0, 0, 10**7, 0]
+    (only,) = stash_options(tensor, act, busy, num_forward=4, saver_positions=[1], saver_backward=[6], last=6,
+                            offload=cpu, compress_dtypes=())
+    assert only.action == "offload:late" and only.restored_from == 6
+    assert only.cost == 1 + 2_000_000 + 2_000        # 1 ms out + 1 ms back + 2 × 1 µs, all exposed
+    assert not CPU_DISK.overlaps_compute and CUDA_HOST.overlaps_compute
 
 @st.composite
 def random_problems(draw):
