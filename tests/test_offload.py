@@ -125,19 +125,19 @@ def test_a_full_disk_stops_the_step_with_an_error(monkeypatch, tmp_path):
                                      solver_time_limit=SOLVER_TIME)
     compiled.prepare(*case.args)
     assert compiled.plan.count("offload") > 2
-    written, pwrite = [], os.pwrite
+    written, write_at = [], tiers._write_at
 
-    def full_disk(fd, data, offset):
+    def full_disk(file, view, offset):
         if len(written) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
         written.append(offset)
-        return pwrite(fd, data, offset)
+        write_at(file, view, offset)
 
-    monkeypatch.setattr(tiers.os, "pwrite", full_disk)
+    monkeypatch.setattr(tiers, "_write_at", full_disk)
     with pytest.raises(autorecompute.OffloadError, match="activation '.*' .*No space left on device.*Fix: free space"):
         compiled(*case.args).sum().backward()
     assert len(written) == 2
-    monkeypatch.setattr(tiers.os, "pwrite", pwrite)
+    monkeypatch.setattr(tiers, "_write_at", write_at)
     case.model.zero_grad(set_to_none=True)
     disk = compiled.graph_module.stash_runtime.tier(case.args[0])
     assert disk.in_use == 0         # nothing of the failed step holds space

@@ -7,6 +7,7 @@ naming the tensor: a step never continues with lost data.
 """
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import threading
@@ -77,7 +78,7 @@ class DiskTier:
     def __init__(self, directory: str | None = None):
         self.directory = check_writable(directory) if directory else tempfile.gettempdir()
         try:
-            self._file = tempfile.TemporaryFile(prefix="autorecompute-offload-", dir=self.directory)
+            self._file = tempfile.TemporaryFile(buffering=0, prefix="autorecompute-offload-", dir=self.directory)
         except OSError as error:
             raise OffloadError(f"cannot open the offload file in {self.directory!r} ({error.strerror or error}). "
                                "Fix: pass offload_dir= a writable directory, or plan without offload "
@@ -86,7 +87,8 @@ class DiskTier:
         self._free: dict[int, list[int]] = {}      # extent size -> free offsets
         self._end = 0                              # where the next new extent starts
         self._live = 0                             # extents in use
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()              # the extents
+        self._io = threading.Lock()                # the file's position: a seek and its write or read
         self._finalizer = weakref.finalize(self, _close, self._file, self._pool)
 
     def close(self) -> None:
@@ -117,17 +119,11 @@ class DiskTier:
         # memory is free by the time the waiting thread wakes up (measured peaks must not depend on timing)
         box = [data]
         del data
-        fd = self._file.fileno()
 
         def write() -> None:
-            view = memoryview(box.pop().view(torch.uint8).numpy())
             try:
-                done = 0
-                while done < nbytes:
-                    written = os.pwrite(fd, view[done:], extent[0] + done)
-                    if written <= 0:
-                        raise OSError(f"wrote {done} of {nbytes} bytes")
-                    done += written
+                with self._io:
+                    _write_at(self._file, memoryview(box.pop().view(torch.uint8).numpy()), extent[0])
             except OSError as error:
                 raise OffloadError(
                     f"offloading activation {name!r} ({format_bytes(nbytes)}) to a file in {self.directory} "
@@ -150,17 +146,11 @@ class DiskTier:
                                                  pin_memory=out.device.type == "cuda")
         box = [target]     # as in store: no reference to the buffer outlives the read in the thread
         expected = target.numel() * target.element_size()
-        fd = self._file.fileno()
 
         def read() -> None:
-            view = memoryview(box.pop().view(torch.uint8).numpy())
-            done = 0
             try:
-                while done < expected:
-                    got = os.preadv(fd, [view[done:]], offset + done)
-                    if got <= 0:
-                        break
-                    done += got
+                with self._io:
+                    done = _read_at(self._file, memoryview(box.pop().view(torch.uint8).numpy()), offset)
             except OSError as error:
                 raise OffloadError(
                     f"reading offloaded activation {name!r} back from the file in {self.directory} failed: "
@@ -189,6 +179,28 @@ class DiskTier:
             if self._live == 0:        # nothing stored: the next step starts the layout again at offset 0
                 self._free.clear()
                 self._end = 0
+
+
+def _write_at(file, view: memoryview, offset: int) -> None:
+    """Writes all of ``view`` at ``offset`` of the unbuffered ``file``."""
+    file.seek(offset)
+    while view:
+        written = file.write(view)
+        if not written:
+            raise OSError(errno.EIO, f"the file took none of {len(view)} bytes")
+        view = view[written:]
+
+
+def _read_at(file, view: memoryview, offset: int) -> int:
+    """Reads into ``view`` from ``offset`` of the unbuffered ``file``; the bytes read (fewer at its end)."""
+    file.seek(offset)
+    done = 0
+    while done < len(view):
+        got = file.readinto(view[done:])
+        if not got:
+            break
+        done += got
+    return done
 
 
 def _close(file, pool: ThreadPoolExecutor) -> None:
