@@ -7,6 +7,7 @@ fallback. A returned plan therefore never predicts more than its budget.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import numbers
 import sys
@@ -207,7 +208,12 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     log.debug("capture: %.2f s, %d nodes", time.perf_counter() - started, len(gm.graph.nodes))
     t = time.perf_counter()
     profile = profile_step(gm, args, kwargs)
-    transfer = options.transfer or default_for(_device_type(args, kwargs))
+    device_type = _device_type(args, kwargs)
+    transfer = options.transfer or default_for(device_type)
+    if device_type == "cpu" and transfer.overlaps_compute:
+        # the CPU's disk tier copies on the training thread (runtime/tiers.py): nothing hides a copy there,
+        # whatever a hand-made TransferModel says
+        transfer = dataclasses.replace(transfer, overlaps_compute=False)
     speeds = transfer if options.objective == "time" else counting_flops(transfer)
     problem = build_problem(gm, recompute="recompute" in options.actions,
                             offload=transfer if "offload" in options.actions else None,

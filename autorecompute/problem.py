@@ -131,6 +131,9 @@ class Problem:
     # attention): the local searches also change a group at once, since on a model of equal layers one layer
     # changed alone cannot lower a peak every layer reaches
     repeats: tuple[tuple[str, ...], ...] = ()
+    # the ops of each repeated block of the outermost stacks (a transformer's layers; an encoder's and a
+    # decoder's are two stacks), in chain order: per-block checkpointing's regions
+    blocks: tuple[tuple[str, ...], ...] = ()
 
     @property
     def num_positions(self) -> int:

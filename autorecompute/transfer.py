@@ -30,8 +30,9 @@ class TransferModel:
         region_seconds: fixed cost of one recomputed region (a checkpoint call: hooks, RNG state, replay).
         stash_seconds: fixed cost of one rematerialized or compressed tensor (hooks, bookkeeping).
         overlaps_compute: whether transfers run beside the compute (a GPU's copy engines) and so can be
-            hidden behind it and prefetched; False where they take the compute's own cores (a CPU's disk
-            tier copies on the calling thread), so every transfer is paid in full.
+            hidden behind it and prefetched; False where they take the compute's own cores, so every transfer
+            is paid in full. The planner takes it as False for CPU tensors, whose disk tier copies on the
+            training thread.
     """
 
     flops_per_second: float

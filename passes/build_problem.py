@@ -198,7 +198,8 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
         backward_op=backward_op, bytes_at_rest=dict(profile.resident), region_cost=device.seconds_to_cost(device.region_seconds),
         stash_options=options, saves=saves,
         unremakeable=frozenset(op for op in chain if is_random(nodes[op])),   # (unreplayable ops: not recomputable)
-        repeats=repeated_ops([nodes[op] for op in chain], recomputable))
+        repeats=repeated_ops([nodes[op] for op in chain], recomputable),
+        blocks=repeated_blocks([nodes[op] for op in chain]))
     return calibrate(problem, measured)
 
 
@@ -221,23 +222,49 @@ def repeated_ops(nodes: list[torch.fx.Node], among: frozenset[str] | None = None
         >>> repeated_ops(nodes)
         (('relu', 'relu_1'), ('mul', 'mul_1'))
     """
-    calls: dict[str, list[torch.fx.Node]] = {}      # block → the nodes it (or a module inside it) calls
+    groups: dict[tuple[str, ...], None] = {}
+    for family in _alike_blocks(nodes).values():
+        for ith in zip(*family.values()):
+            group = tuple(node.name for node in ith if among is None or node.name in among)
+            if len(group) > 1:
+                groups[group] = None
+    return tuple(groups)
+
+
+def repeated_blocks(nodes: list[torch.fx.Node]) -> tuple[tuple[str, ...], ...]:
+    """The ops of each repeated block (in ``nodes``' order) of the outermost stacks: the blocks of one parent
+    that repeat each other (:func:`repeated_ops`), leaving out those inside another such block (a layer's
+    heads). An encoder's and a decoder's layers are two stacks; each block is one entry.
+
+        >>> import torch
+        >>> class Block(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return torch.relu(x) * 2
+        >>> nodes = list(torch.fx.symbolic_trace(torch.nn.Sequential(Block(), Block())).graph.nodes)
+        >>> repeated_blocks(nodes)
+        (('relu', 'mul'), ('relu_1', 'mul_1'))
+    """
+    families = [family for family in _alike_blocks(nodes).values() if len(family) > 1]
+    paths = {path for family in families for path in family}
+    outermost = [family for family in families
+                 if not any(path.startswith(other + ".") for path in family for other in paths)]
+    return tuple(tuple(node.name for node in called) for family in outermost for called in family.values())
+
+
+def _alike_blocks(nodes: list[torch.fx.Node]) -> dict[tuple, dict[str, list[torch.fx.Node]]]:
+    """Blocks (modules at an index of their parent: ``blocks.3``, ``layers.0.mlp.2``) that repeat each other,
+    by (parent, what they call): block path → the nodes it (or a module inside it) calls, in order."""
+    calls: dict[str, list[torch.fx.Node]] = {}
     for node in nodes:
         parts = module_path(node).split(".")
         for end, part in enumerate(parts):
             if part.isdigit():
                 calls.setdefault(".".join(parts[:end + 1]), []).append(node)
-    alike: dict[tuple, list[list[torch.fx.Node]]] = {}
+    alike: dict[tuple, dict[str, list[torch.fx.Node]]] = {}
     for block, called in calls.items():
         parent = block.rpartition(".")[0]
-        alike.setdefault((parent, tuple(_signature(node) for node in called)), []).append(called)
-    groups: dict[tuple[str, ...], None] = {}
-    for blocks in alike.values():
-        for ith in zip(*blocks):
-            group = tuple(node.name for node in ith if among is None or node.name in among)
-            if len(group) > 1:
-                groups[group] = None
-    return tuple(groups)
+        alike.setdefault((parent, tuple(_signature(node) for node in called)), {})[block] = called
+    return alike
 
 
 def _signature(node: torch.fx.Node) -> tuple:

@@ -7,10 +7,11 @@ from torch import nn
 
 import models
 from autorecompute.memory_model import NEW_REGION, predicted_peak
-from autorecompute.passes.build_problem import build_problem, repeated_ops
+from autorecompute.passes.build_problem import build_problem, repeated_blocks, repeated_ops
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import module_path, node_info, profile_step
 from autorecompute.solvers import greedy
+from autorecompute.solvers.baselines import per_block_plan
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,61 @@ def test_each_group_is_one_op_of_every_layer(gpt_problem):
         assert [path.split(".")[1] for path in paths] == [str(i) for i in range(layers)]   # ... of each layer
         assert set(group) <= problem.recomputable and seen.isdisjoint(group)
         seen |= set(group)
+
+
+def test_per_block_checkpointing_makes_each_layer_one_region_that_keeps_its_input(gpt_problem):
+    """Each layer's ops are recomputed but its last (the next layer's input, the checkpoint); the ops outside
+    the layers are kept; so the recomputed runs are the layers, one region each."""
+    problem, gm, layers = gpt_problem
+    assert len(problem.blocks) == layers
+    plan = per_block_plan(problem)
+    recomputed = [op for op in problem.chain if plan.get(op)]
+    assert recomputed == [op for block in problem.blocks for op in block[:-1] if op in problem.recomputable]
+    runs, previous = [], None
+    for op in problem.chain:
+        if plan.get(op) and previous is not None and plan.get(previous):
+            runs[-1].append(op)
+        elif plan.get(op):
+            runs.append([op])
+        previous = op
+    assert len(runs) == layers
+    assert per_block_plan(dataclasses.replace(problem, blocks=())) is None
+
+
+class _Heads(nn.Module):
+    """A layer of two equal heads (a ModuleList inside each layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.out(torch.cat([head(x) for head in self.heads], -1))
+
+
+class _EncoderDecoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.ModuleList([_Heads() for _ in range(3)])
+        self.decoder = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.encoder:
+            x = layer(x)
+        for layer in self.decoder:
+            x = layer(x)
+        return x
+
+
+def test_blocks_are_the_outermost_layers_of_each_stack():
+    """An encoder's and a decoder's layers are two stacks of three blocks each, not three blocks of two
+    layers; the heads inside each encoder layer repeat each other but are not blocks (their layer is)."""
+    gm = capture(_EncoderDecoder(), (torch.randn(4, 8),), {})
+    blocks = repeated_blocks([node for node in gm.graph.nodes if node.op == "call_function"])
+    layers = [{".".join(module_path(node).split(".")[:2]) for node in gm.graph.nodes if node.name in block}
+              for block in blocks]
+    assert layers == [{f"{stack}.{i}"} for stack in ("encoder", "decoder") for i in range(3)]
 
 
 class Layer(nn.Module):
@@ -83,8 +139,8 @@ def test_group_moves_lower_a_peak_every_layer_reaches(gpt_problem):
     moves: each layer held its attention and MLP in one region, and splitting one layer's alone raised the
     peak (its MLP region's input held through the other layers' backward)."""
     problem, _, _ = gpt_problem
-    start = greedy.lowest_start(problem)
     alone = dataclasses.replace(problem, repeats=())
+    start = greedy.lowest_start(dataclasses.replace(alone, blocks=()))    # √N's or a segment plan's
     with_groups = predicted_peak(problem, *greedy.lower_peak(problem, start, work=2_000_000))
     without = predicted_peak(alone, *greedy.lower_peak(alone, start, work=2_000_000))
     assert with_groups < without

@@ -8,10 +8,12 @@ The rewrite (``passes/rewrite_stash.py``) inserts, for every activation the plan
   written to the offload tier, encoded smaller, or nothing but the recipe ``op(*args, **kwargs)`` (run
   again, with the RNG state ``stash_rng_state`` took before ``op``, when backward first needs ``t``) —
   instead of ``t`` itself;
-* ``stash_release(handle)`` right after ``t``'s last forward use: waits for the copy out (it ran while
-  the forward computed) and drops the device reference, so ``t``'s memory is free from here;
+* ``stash_release(handle)`` right after ``t``'s last forward use: waits for the copy out (on CUDA it ran while
+  the forward computed; a CPU tensor's was done at the first save) and drops the device reference, so ``t``'s
+  memory is free from here;
 * ``stash_prefetch(handle, trigger)`` right after ``trigger`` is made: when backward reaches
-  ``trigger``'s backward, the copy back starts, ahead of the first op that needs ``t``.
+  ``trigger``'s backward, the copy back starts, ahead of the first op that needs ``t`` (none for
+  ``offload:late``, the CPU's only offload: the copy back runs at the first use).
 
 The hooks are pushed by graph nodes only around the ops that make or save a stashed tensor, inside
 :meth:`StashRuntime.active` (the compiled module enters it around every call); other saved tensors never
@@ -33,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autorecompute.runtime.codecs import codec
-from autorecompute.runtime.tiers import DiskTier, HostTier, PinnedPool, SimulatedTier, Transfer, check_writable
+from autorecompute.runtime.tiers import HostTier, PinnedPool, SimulatedTier, Transfer, check_writable, disk_tier
 
 DEFAULT_PINNED_BYTES = 8 << 30   # pinned host memory the CUDA tier may hold before it falls back to disk
 DELIVERED = "delivered"          # the recipe of a tensor a later chain rematerialization makes again
@@ -189,15 +191,15 @@ class _Stash:
         return flat if dtype == flat.dtype else flat.view(dtype)
 
     def discard(self) -> None:
-        """Its step failed in forward: the stored copy (a file) goes, and nothing can be restored."""
+        """Its step failed in forward: the stored copy goes, and nothing can be restored."""
         self._release_stored()
         self.flat, self.restored, self.recipe = None, None, None
 
     def _release_stored(self) -> None:
-        """The stored copy goes (its file too), once any write still filling it has ended."""
+        """The stored copy goes (its extent of the file is free), once any write still filling it has ended."""
         if self.out is not None:
             try:
-                self.out.wait()    # never delete a file a write is still filling
+                self.out.wait()    # an extent a write is still filling must not be reused
             except Exception:      # noqa: BLE001 — raised in the forward already; a finalizer must not raise
                 pass
             self.out = None
@@ -318,7 +320,7 @@ class StashRuntime(torch.nn.Module):
     _PER_PROCESS = ("_tiers", "_local", "_gradients", "_hooked", "_offloaded")
 
     def _start_fresh(self) -> None:
-        """The state that lives in this process only: tiers (files, threads, pinned memory), the step's hook
+        """The state that lives in this process only: tiers (the disk file, threads, pinned memory), the step's hook
         state, the hooks on parameters and the gradients out until backward ends."""
         self._tiers: dict[str, object] = {}
         self._local = threading.local()
@@ -369,18 +371,36 @@ class StashRuntime(torch.nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(_RestoreAtBackwardEnd(self))
         tier = self.tier(grad)
         stored, out = tier.store(grad.detach().view(-1), name)
-        out.wait()                  # written: the device copy may go now
+        try:
+            out.wait()              # written: the device copy may go now
+        except BaseException:
+            tier.release(stored)    # (a failed write on the background thread)
+            raise
         self._offloaded.append((param, tier, stored, tuple(grad.shape), grad.dtype, grad.device, name))
         param.grad = None
 
     def _restore_gradients(self) -> None:
         offloaded, self._offloaded = self._offloaded, []
-        for param, tier, stored, shape, dtype, device, name in offloaded:
-            grad = torch.empty(shape, dtype=dtype, device=device)
-            tier.load(stored, grad.view(-1), name).wait()
-            tier.release(stored)
-            # a gradient accumulated again after it left (a parameter used twice) adds up as autograd would
-            param.grad = grad if param.grad is None else param.grad.add_(grad)
+        try:
+            while offloaded:
+                param, tier, stored, shape, dtype, device, name = offloaded[0]
+                grad = torch.empty(shape, dtype=dtype, device=device)
+                try:
+                    tier.load(stored, grad.view(-1), name).wait()
+                finally:
+                    tier.release(stored)
+                    offloaded.pop(0)
+                # a gradient accumulated again after it left (a parameter used twice) adds up as autograd would
+                param.grad = grad if param.grad is None else param.grad.add_(grad)
+        finally:
+            for _, tier, stored, *_ in offloaded:     # a read failed: the rest are lost with it, their space freed
+                tier.release(stored)
+
+    @property
+    def disk(self):
+        """The disk tier this runtime offloads to (shared by the process, see ``tiers.disk_tier``), or None
+        before its first offload."""
+        return self._tiers.get("disk")
 
     def tier(self, tensor: torch.Tensor):
         """The tier for ``tensor``'s device: CUDA → pinned host (then disk); any other device → disk."""
@@ -388,7 +408,7 @@ class StashRuntime(torch.nn.Module):
             return SimulatedTier()
         device = str(tensor.device)
         if device not in self._tiers:
-            disk = self._tiers.get("disk") or DiskTier(self.offload_dir)
+            disk = self._tiers.get("disk") or disk_tier(self.offload_dir)
             self._tiers["disk"] = disk
             if tensor.device.type == "cuda":
                 pool = self._tiers.get("pinned") or PinnedPool(self.pinned_bytes)    # one budget for all GPUs

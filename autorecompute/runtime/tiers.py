@@ -1,23 +1,28 @@
 """Where offloaded activations go: the host (CUDA: pinned memory, side stream) and the disk (any device).
 
 A tier copies a flat device tensor out (:meth:`store`) and back into a device buffer (:meth:`load`)
-without blocking the compute stream; both return a :class:`Transfer` to wait on. Errors in a background
-copy (a full disk) are raised by :meth:`Transfer.wait` as :class:`~autorecompute.errors.OffloadError`
-naming the tensor: a step never continues with lost data.
+without blocking the compute stream (CUDA); both return a :class:`Transfer` to wait on. A CPU tensor's copy
+is done on the calling thread before they return (the cores are the compute's). Errors (a full disk) are
+raised as :class:`~autorecompute.errors.OffloadError` naming the tensor — by :meth:`Transfer.wait` for a
+background copy, at once for the calling thread's: a step never continues with lost data.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import tempfile
 import threading
 import weakref
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from autorecompute.budget import format_bytes
 from autorecompute.errors import OffloadError
+from autorecompute.problem import GRADIENT
 
 
 class Transfer:
@@ -60,36 +65,44 @@ def check_writable(directory: str) -> str:
 
 class DiskTier:
     """One anonymous file in ``directory`` (the system temporary directory by default), written and read at
-    offsets.
+    offsets; get the process's tier for a directory with :func:`disk_tier` (every plan and compiled module
+    offloading there shares it).
 
-    The file has no name (``tempfile.TemporaryFile``): nothing to clean up, even after a crash, and nothing a
-    temporary-directory cleaner can remove under a step. Each stored tensor takes an extent of the file, reused
-    by later tensors of its size; once every extent is free (a step's backward is over) the next step lays its
-    tensors out at the same offsets, so the file stays as large as one step's offloads and its pages are
-    written over rather than allocated again.
+    The file has no name (``tempfile.TemporaryFile``; on Windows a name removed when it closes): nothing to
+    clean up after a crash, and nothing a temporary-directory cleaner can remove under a step. Each stored
+    tensor takes an extent of the file, reused by later tensors of its size; once no extent is in use (a
+    step's backward is over) the next step lays its tensors out from offset 0 again, so the file is as large
+    as the most the process has held offloaded at once, and its pages are written over rather than allocated
+    again. The space stays taken until the last module using the tier is gone.
 
     CPU tensors are written and read on the calling thread: the cores that would run a background copy are the
     ones computing, and handing each copy to a thread and waiting for it cost ~70 µs on the 2-core CI machine,
     where writing 64 KiB at an offset takes ~12 µs (a file per tensor took ~250 µs to create). Tensors of
     other devices, copied to the host first, are written and read by one background thread while the device
-    keeps computing.
+    keeps computing. A forked child opens a file of its own (a copy of what was stored at the fork): the two
+    processes would otherwise lay their tensors out over each other in one file.
     """
 
     def __init__(self, directory: str | None = None):
         self.directory = check_writable(directory) if directory else tempfile.gettempdir()
+        self._resources = [self._open(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="autorecompute-disk")]
+        self._free: dict[int, list[int]] = {}      # extent size -> free offsets
+        self._extents: dict[int, int] = {}         # offset -> size of the extents in use
+        self._end = 0                              # where the next new extent starts
+        self._released: deque = deque()            # extents released, not yet back on the free lists
+        self._owner: int | None = None             # the thread doing the bookkeeping
+        self._lock = threading.Lock()              # the bookkeeping
+        self._io = threading.Lock()                # the file's position: a seek and its write or read
+        self._finalizer = weakref.finalize(self, _close, self._resources)
+        _OPEN.add(self)
+
+    def _open(self):
         try:
-            self._file = tempfile.TemporaryFile(buffering=0, prefix="autorecompute-offload-", dir=self.directory)
+            return tempfile.TemporaryFile(buffering=0, prefix="autorecompute-offload-", dir=self.directory)
         except OSError as error:
             raise OffloadError(f"cannot open the offload file in {self.directory!r} ({error.strerror or error}). "
                                "Fix: pass offload_dir= a writable directory, or plan without offload "
                                "(actions=('recompute',)).") from error
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autorecompute-disk")   # no thread yet
-        self._free: dict[int, list[int]] = {}      # extent size -> free offsets
-        self._end = 0                              # where the next new extent starts
-        self._live = 0                             # extents in use
-        self._lock = threading.Lock()              # the extents
-        self._io = threading.Lock()                # the file's position: a seek and its write or read
-        self._finalizer = weakref.finalize(self, _close, self._file, self._pool)
 
     def close(self) -> None:
         self._finalizer()
@@ -97,17 +110,56 @@ class DiskTier:
     @property
     def in_use(self) -> int:
         """How many stored tensors hold an extent of the file (0 between steps)."""
-        return self._live
+        with self._books():
+            return len(self._extents)
+
+    @property
+    def file_bytes(self) -> int:
+        """The size of the file: the most this tier has held at once since its last fresh layout began."""
+        return os.fstat(self._resources[0].fileno()).st_size
+
+    @contextlib.contextmanager
+    def _books(self) -> Iterator[None]:
+        """The bookkeeping, under its lock; extents released meanwhile (below) go back to the free lists."""
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                self._settle()
+                yield
+                self._settle()
+            finally:
+                self._owner = None
+
+    def _settle(self) -> None:
+        while self._released:
+            offset, nbytes = self._released.popleft()
+            if self._extents.pop(offset, None) != nbytes:
+                raise RuntimeError(f"autorecompute: offload extent {offset}+{nbytes} released twice or never "
+                                   "stored (a bug: please report it)")
+            self._free.setdefault(nbytes, []).append(offset)
+        if not self._extents:        # nothing stored: the next step starts the layout again at offset 0
+            self._free.clear()
+            self._end = 0
 
     def _allocate(self, nbytes: int) -> int:
-        with self._lock:
+        with self._books():
             free = self._free.get(nbytes)
             if free:
                 offset = free.pop()
             else:
                 offset, self._end = self._end, self._end + nbytes
-            self._live += 1
+            self._extents[offset] = nbytes
             return offset
+
+    def release(self, stored: object) -> None:
+        """Frees the extent ``stored``. The caller has waited for the write that filled it (a read still queued
+        from it is harmless: one thread runs the background jobs in order and nobody reads what it fills). A
+        release from a finalizer that garbage collection runs inside the bookkeeping is queued, not waited for
+        (it would wait for its own thread), and done by that bookkeeping."""
+        self._released.append(stored)
+        if self._owner != threading.get_ident():
+            with self._books():
+                pass
 
     def store(self, flat: torch.Tensor, name: str) -> tuple[object, Transfer]:
         """Starts writing ``flat`` (a contiguous 1-D tensor) to a free extent; returns (extent, transfer)."""
@@ -123,11 +175,11 @@ class DiskTier:
         def write() -> None:
             try:
                 with self._io:
-                    _write_at(self._file, memoryview(box.pop().view(torch.uint8).numpy()), extent[0])
+                    _write_at(self._resources[0], memoryview(box.pop().view(torch.uint8).numpy()), extent[0])
             except OSError as error:
                 raise OffloadError(
-                    f"offloading activation {name!r} ({format_bytes(nbytes)}) to a file in {self.directory} "
-                    f"failed: {error.strerror or error}. The step is stopped so no activation is lost. Fix: free "
+                    f"offloading {_what(name)} {name!r} ({format_bytes(nbytes)}) to a file in {self.directory} "
+                    f"failed: {error.strerror or error}. The step is stopped so no data is lost. Fix: free "
                     f"space there, pass offload_dir= another disk, or allow fewer offloads "
                     f"(actions=('recompute',)).") from error
 
@@ -150,14 +202,14 @@ class DiskTier:
         def read() -> None:
             try:
                 with self._io:
-                    done = _read_at(self._file, memoryview(box.pop().view(torch.uint8).numpy()), offset)
+                    done = _read_at(self._resources[0], memoryview(box.pop().view(torch.uint8).numpy()), offset)
             except OSError as error:
                 raise OffloadError(
-                    f"reading offloaded activation {name!r} back from the file in {self.directory} failed: "
+                    f"reading offloaded {_what(name)} {name!r} back from the file in {self.directory} failed: "
                     f"{error.strerror or error}. The backward cannot go on without it. Fix: plan without "
                     "offload (actions=('recompute',)) or pass offload_dir= a sound disk.") from error
             if done != expected or expected != nbytes:
-                raise OffloadError(f"reading offloaded activation {name!r} back: got {done} bytes of {expected} "
+                raise OffloadError(f"reading offloaded {_what(name)} {name!r} back: got {done} bytes of {expected} "
                                    f"(stored {nbytes}; a bug: please report it)")
         then = None if on_host else (lambda: out.copy_(target, non_blocking=out.device.type == "cuda"))
         if on_host:
@@ -169,16 +221,55 @@ class DiskTier:
         if here:
             job()
             return Transfer(what=name, then=then)
-        return Transfer(self._pool.submit(job), what=name, then=then)
+        return Transfer(self._resources[1].submit(job), what=name, then=then)
 
-    def release(self, stored: object) -> None:
-        offset, nbytes = stored
-        with self._lock:
-            self._free.setdefault(nbytes, []).append(offset)
-            self._live -= 1
-            if self._live == 0:        # nothing stored: the next step starts the layout again at offset 0
-                self._free.clear()
-                self._end = 0
+    def _reopen_in_child(self) -> None:
+        """After a fork, in the child: a file, locks and thread of its own, holding what was stored."""
+        shared = self._resources[0]
+        self._lock, self._io, self._owner = threading.Lock(), threading.Lock(), None
+        own = self._open()
+        done = 0
+        while done < self._end:       # pread: the parent's file position, which the two share, stays
+            chunk = os.pread(shared.fileno(), min(1 << 24, self._end - done), done)
+            if not chunk:
+                break
+            _write_at(own, memoryview(chunk), done)
+            done += len(chunk)
+        shared.close()                # the child's descriptor only
+        self._resources[:] = [own, ThreadPoolExecutor(max_workers=1, thread_name_prefix="autorecompute-disk")]
+
+
+def _what(name: str) -> str:
+    return "parameter gradient" if name.startswith(GRADIENT) else "activation"
+
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()                                # every DiskTier of this process
+_SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()      # directory -> its tier, while used
+_SHARED_LOCK = threading.Lock()
+
+
+def disk_tier(directory: str | None = None) -> DiskTier:
+    """The process's disk tier for ``directory`` (None: the system temporary directory), opened on first use
+    and shared by every plan and compiled module offloading there, so a model trained at many input shapes
+    (a plan each) holds one file, as large as the most it has offloaded at once."""
+    key = os.path.abspath(os.path.expanduser(directory)) if directory else ""
+    with _SHARED_LOCK:
+        tier = _SHARED.get(key)
+        if tier is None:
+            tier = DiskTier(directory)
+            _SHARED[key] = tier
+        return tier
+
+
+def _after_fork_in_child() -> None:
+    global _SHARED_LOCK
+    _SHARED_LOCK = threading.Lock()
+    for tier in list(_OPEN):
+        tier._reopen_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _write_at(file, view: memoryview, offset: int) -> None:
@@ -203,7 +294,8 @@ def _read_at(file, view: memoryview, offset: int) -> int:
     return done
 
 
-def _close(file, pool: ThreadPoolExecutor) -> None:
+def _close(resources: list) -> None:
+    file, pool = resources
     pool.shutdown(wait=True)
     file.close()
 

@@ -4,6 +4,9 @@
 articulation points of the data-flow graph (ops every path goes through, so a segment boundary holds one
 tensor), round(√N) segments of about equal held bytes, one checkpoint kept per segment, everything else
 recomputed.
+
+``per_block_plan``: per-block checkpointing (Hugging Face's ``gradient_checkpointing_enable()``), each
+repeated layer one region that keeps only its input.
 """
 from __future__ import annotations
 
@@ -51,3 +54,18 @@ def sqrt_n_plan(problem: Problem, segments: int | None = None,
             keep.add(op)
             target += step
     return {op: op not in keep for op in problem.recomputable}
+
+
+def per_block_plan(problem: Problem) -> dict[str, bool] | None:
+    """Per-block checkpointing (what Hugging Face's ``gradient_checkpointing_enable()`` does): each repeated
+    block (``Problem.blocks``: a transformer's layers) is one region that keeps only its input, the output of
+    the op before it; the block's last op, whose output the next block reads, and every op outside the blocks
+    are kept. None when the model has no repeated blocks."""
+    if not problem.blocks:
+        return None
+    recompute = {op: False for op in problem.recomputable}
+    for block in problem.blocks:
+        for op in block[:-1]:
+            if op in recompute:
+                recompute[op] = True
+    return recompute
