@@ -72,7 +72,7 @@ def format_table(plan: "Plan", max_rows_per_group: int = 6) -> str:
             continue
         shown = sorted(members, key=lambda r: -r["bytes"])[:max_rows_per_group]
         for r in sorted(shown, key=members.index):
-            shape = "x".join(map(str, r["shape"])) or "-"
+            shape = "x".join(map(str, r["shape"])) or ("scalar" if r["dtype"] else "-")   # "-": no tensor
             lines.append(f"    {_cut(r['name'], 24):<24} {_cut(shape, 20):<20} {r['dtype'][:8]:<8} "
                          f"{format_bytes(r['bytes']):>11} {r['action']:<{width}} {r['why']}")
         if len(members) > len(shown):

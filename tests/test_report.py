@@ -130,6 +130,18 @@ def test_a_file_that_is_not_a_plan_is_refused_clearly(text, says):
         Plan.from_json(text)
 
 
+def test_a_scalar_prints_as_a_scalar_and_an_op_without_a_tensor_as_a_dash():
+    from autorecompute.report import format_table
+
+    class Root:
+        def table(self):
+            return [{"name": name, "module": "", "shape": (), "dtype": dtype, "bytes": nbytes, "held_bytes": 0,
+                     "action": "keep", "why": "…"} for name, dtype, nbytes in (("cross_entropy_loss", "float32", 4),
+                                                                                ("flatten", "", 0))]
+
+    rows = {line.split()[0]: line.split()[1] for line in format_table(Root()).splitlines() if line.startswith("    ")}
+    assert rows == {"cross_entropy_loss": "scalar", "flatten": "-"}
+
 def test_a_deep_model_prints_one_line_per_block():
     """48 blocks fold into one group (the table stays under MAX_GROUPS): it lists each block's actions on one
     line instead of six rows and "... 1434 smaller ops"; cut names end in "…"."""
