@@ -381,19 +381,19 @@ class StashRuntime(torch.nn.Module):
 
     def _restore_gradients(self) -> None:
         offloaded, self._offloaded = self._offloaded, []
+        released = 0
         try:
-            while offloaded:
-                param, tier, stored, shape, dtype, device, name = offloaded[0]
+            for param, tier, stored, shape, dtype, device, name in offloaded:
                 grad = torch.empty(shape, dtype=dtype, device=device)
                 try:
                     tier.load(stored, grad.view(-1), name).wait()
                 finally:
                     tier.release(stored)
-                    offloaded.pop(0)
+                    released += 1
                 # a gradient accumulated again after it left (a parameter used twice) adds up as autograd would
                 param.grad = grad if param.grad is None else param.grad.add_(grad)
         finally:
-            for _, tier, stored, *_ in offloaded:     # a read failed: the rest are lost with it, their space freed
+            for _, tier, stored, *_ in offloaded[released:]:   # a read failed: the rest are lost, their space freed
                 tier.release(stored)
 
     @property

@@ -63,9 +63,5 @@ def per_block_plan(problem: Problem) -> dict[str, bool] | None:
     are kept. None when the model has no repeated blocks."""
     if not problem.blocks:
         return None
-    recompute = {op: False for op in problem.recomputable}
-    for block in problem.blocks:
-        for op in block[:-1]:
-            if op in recompute:
-                recompute[op] = True
-    return recompute
+    inside = {op for block in problem.blocks for op in block[:-1]}
+    return {op: op in inside for op in problem.recomputable}
