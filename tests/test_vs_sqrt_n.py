@@ -151,9 +151,14 @@ def test_a_budget_hugging_faces_per_layer_checkpointing_meets_is_met():
     ids = torch.randint(0, 128, (4, 64))
     kwargs = {"labels": ids}
     eager = measured_step(model, model, (ids,), kwargs, seed=1)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    per_layer = measured_step(model, model, (ids,), kwargs, seed=1).peak
-    model.gradient_checkpointing_disable()
+    if hasattr(model, "activation_checkpointing_enable"):      # transformers 5.x; the older name is deprecated
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        per_layer = measured_step(model, model, (ids,), kwargs, seed=1).peak
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        per_layer = measured_step(model, model, (ids,), kwargs, seed=1).peak
+        model.gradient_checkpointing_disable()
     model.zero_grad(set_to_none=True)
     compiled = autorecompute.compile(model, budget=per_layer, actions=("recompute",), solver_time_limit=SOLVER_TIME)
     ours = measured_step(compiled, model, (ids,), kwargs, seed=1)
