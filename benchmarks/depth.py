@@ -104,7 +104,7 @@ def write_markdown(rows: list[dict], path: Path) -> None:
 
 
 PROSE = """**Reading it.** Every plan measures within its budget at every depth. GPT-2 stays well ahead of √N
-(no extra FLOPs at its peak up to 6 layers, 0.05× at 12). Llama less so: 0.53× √N's extra FLOPs with 3 layers,
+(no extra FLOPs at its peak up to 6 layers, 0.04× at 12). Llama less so: 0.50× √N's extra FLOPs with 3 layers,
 0.63× with 6 and 0.74× with 12 — goal 1 holds at the suite's size only. Two things run out:
 
 * **The search.** CP-SAT's model grows with the ops (about 70 a layer) and from 6 Llama layers (448 ops) finds
@@ -115,7 +115,10 @@ PROSE = """**Reading it.** Every plan measures within its budget at every depth.
   windows)`, `cpsat.solve_in_windows`): 12-layer GPT-2 0.27× → 0.05× √N's extra FLOPs, Llama 0.71× → 0.63×
   with 6 layers and 0.81× → 0.74× with 12, for 7–10 s more planning. Each window is solved to optimality
   or near it; what is left needs trades between layers further apart than a window (windows of 160 ops end
-  at the same plans, of 250 at dearer ones).
+  at the same plans, of 250 at dearer ones). CP-SAT over the same stretch of every layer at once
+  (`cpsat.block_windows`, `feasible (cp-sat across layers)`) makes such trades: it took 3-layer Llama from
+  0.53× to 0.50× and 12-layer GPT-2 from 0.05× to 0.04×, but changes little on deeper Llamas (6 layers: nothing
+  cheaper; 12: the same 0.74×), where the room is short.
 * **The room.** Llama's recompute-only minimum is 0.82× √N's peak with 6 layers and 0.91× with 12: the
   parameters and their gradients, which no plan removes, grow with the layers while √N's activations grow as
   their square root, so at √N's peak a 12-layer Llama has 10% of room above the least memory any plan
@@ -123,8 +126,8 @@ PROSE = """**Reading it.** Every plan measures within its budget at every depth.
 
 Deeper models are where planning must scale next: one layer's decisions solved for all the identical layers
 at once (tied in CP-SAT's model, 3-layer Llama's plan at √N's peak runs 56.6 MFLOP again against 35.7
-untied in the same 8 s, and the 12-layer tied model finds nothing in 30 s), a coarser model of the positions,
-or windows over layers far apart."""
+untied in the same 8 s, and the 12-layer tied model finds nothing in 30 s), or a coarser model of the
+positions."""
 
 
 def main(argv=None) -> None:
