@@ -371,7 +371,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
                 # CP-SAT over the same stretch of every repeated layer at once: the trades between layers far
                 # apart that neither the whole chain's model (too large for the limit) nor a window of the
                 # chain (a layer or two) makes (cpsat.block_windows: 6-layer GPT at √N's peak, least FLOPs,
-                # 35.7 → 2.1 MFLOP run again)
+                # 35.7 → 0 MFLOP run again)
                 across = cpsat.solve_in_windows(problem, best, budget=internal, seed=options.seed,
                                                 time_limit=options.solver_time_limit,
                                                 windows=cpsat.block_windows(problem))

@@ -221,6 +221,26 @@ def test_windows_keep_the_budget_never_cost_more_and_one_over_everything_is_the_
     assert predicted_peak(problem, *lowest) == min(peaks)
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_problems(), st.data())
+def test_a_window_of_ops_apart_is_solved_to_its_optimum(problem, data):
+    """Windows across layers are not runs of the chain: for any set of ops, CP-SAT's plan is the cheapest of
+    those that keep the start's decisions outside it and fit (brute force)."""
+    assignments = list(all_assignments(problem))
+    peaks = [predicted_peak(problem, r) for r in assignments]
+    budget = sorted(peaks)[len(peaks) // 2]
+    fitting = [r for r, peak in zip(assignments, peaks) if peak <= budget]
+    start = data.draw(st.sampled_from(fitting))
+    ops = sorted(problem.recomputable, key=problem.chain.index)
+    window = frozenset(data.draw(st.lists(st.sampled_from(ops), unique=True, min_size=1)))
+    result = cpsat.solve(problem, budget=budget, hint=start, window=window, time_limit=2)
+    best = min(extra_cost(problem, r) for r in fitting if all(r[op] == start[op] for op in ops if op not in window))
+    assert result.recompute is not None
+    assert all(result.recompute[op] == start[op] for op in ops if op not in window)
+    assert predicted_peak(problem, result.recompute) <= budget
+    assert extra_cost(problem, result.recompute) == best
+
+
 def test_hint_is_kept_as_a_solution():
     p = chain_problem(6)
     hint, _ = greedy.lowest_peak(p)

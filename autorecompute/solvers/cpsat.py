@@ -624,9 +624,9 @@ def block_windows(problem: Problem, width: int = WINDOW_OPS) -> list[frozenset[s
 
     A chain window holds a layer or two, and the whole chain is too large a model for the limit, so neither
     trades between layers far apart — keep more of the first layers' matmul outputs, recompute more of the
-    last's — which the least-cost plan at a peak every layer's backward reaches is made of. From the planner's
-    plan at √N's peak (least FLOPs): the GPT-style model 35.7 → 2.1 MFLOP run again, BERT 8.4 → 4.2, Llama
-    33.6 → 31.5; least time: Llama −17%, BERT −14% (3 to 12 windows, 1–4 s).
+    last's — which the least-cost plan at a peak every layer's backward reaches is made of. The planner's plans
+    at √N's peak (least FLOPs), before and after them: the GPT-style model 35.7 → 0 MFLOP run again, BERT
+    8.4 → 4.2, Llama 33.6 → 31.5; least time: Llama −17%, BERT −14% (3 to 12 windows, 1–4 s).
 
     Example: two blocks of two ops; each window takes one op of each.
 
