@@ -526,9 +526,11 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
             takes the device's defaults, ``autorecompute.transfer.measure()`` times this machine.
         solver_time_limit: about the seconds of the cost solve (the minimum-peak solve gets a quarter),
             as deterministic CP-SAT work, so the plan does not depend on the machine's load; the best plan
-            found by then is used. Capturing, profiling and checking candidate plans on fake tensors take
-            time in proportion to the model's ops besides (a 24-layer GPT-2, ~900 ops: ~12 s on 2 CPU cores
-            whatever the limit).
+            found by then is used. A cost solve CP-SAT does not prove optimal is improved after it by
+            windows of it, up to three times the limit (CP-SAT over windows of the chain where it found
+            nothing, then windows across repeated layers), each window ending early once solved.
+            Capturing, profiling and checking candidate plans on fake tensors take time in proportion to the
+            model's ops besides (a 24-layer GPT-2, ~900 ops: ~12 s on 2 CPU cores whatever the limit).
         seed: CP-SAT's seed: same model, inputs and seed give the same plan.
         objective: what "least extra" means: ``"time"`` (the default) prices recomputation with the
             device's speeds — FLOPs, bytes of memory-bound ops, random numbers, one call per op and per

@@ -523,3 +523,14 @@ def test_block_windows_take_the_same_stretch_of_every_layer():
         assert len({k for _, k in map(position.__getitem__, window)}) * 6 == len(window)
         covered |= window
     assert covered == {op for layer in layers for op in layer} & problem.recomputable
+
+
+def test_block_windows_of_a_hundred_layers_keep_to_the_width():
+    """More blocks than a window has ops: a window takes one op of each of ``width`` blocks at a time."""
+    layers = tuple(tuple(f"op{i}_{k}" for k in range(30)) for i in range(100))
+    ops = tuple(op for layer in layers for op in layer)
+    problem = Problem(chain=ops, recomputable=frozenset(ops), cost={}, flops={}, activations=(), fixed=(0, 0),
+                      num_forward=1, blocks=layers)
+    windows = cpsat.block_windows(problem, width=80)
+    assert max(map(len, windows)) <= 80
+    assert set().union(*windows) == set(ops)

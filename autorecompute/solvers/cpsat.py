@@ -618,9 +618,8 @@ def chain_windows(problem: Problem, width: int = WINDOW_OPS) -> list[frozenset[s
 
 
 def block_windows(problem: Problem, width: int = WINDOW_OPS) -> list[frozenset[str]]:
-    """Windows across repeated blocks: the same stretch of every block of a stack at once (``width`` ops in
-    all, each block's stretch half overlapping the one before; blocks alike op for op have one length, so a
-    stack is the blocks of one length).
+    """Windows across repeated blocks: the same stretch of every block of a stack at once, about ``width``
+    ops in all.
 
     A chain window holds a layer or two, and the whole chain is too large a model for the limit, so neither
     trades between layers far apart — keep more of the first layers' matmul outputs, recompute more of the
@@ -628,27 +627,38 @@ def block_windows(problem: Problem, width: int = WINDOW_OPS) -> list[frozenset[s
     at √N's peak (least FLOPs), before and after them: the GPT-style model 35.7 → 0 MFLOP run again, BERT
     8.4 → 4.2, Llama 33.6 → 31.5; least time: Llama −17%, BERT −14% (3 to 12 windows, 1–4 s).
 
-    Example: two blocks of two ops; each window takes one op of each.
+    A stack is the blocks of one length (alike blocks have one length; unlike ones of equal length are
+    windowed together: valid windows, less to the point), taken ``width`` blocks at a time when it has more.
+    Each block's stretch is ``width // blocks`` ops. The windows side by side come first, then those
+    overlapping them by half: a search cut short by its time limit (``solve_in_windows``) has then seen every
+    part of the blocks once.
+
+    Example: two blocks of four ops; windows of two ops of each, side by side, then the one between.
 
         >>> from autorecompute.problem import Problem
-        >>> ops = ("a0", "b0", "a1", "b1")
+        >>> ops = ("a0", "b0", "c0", "d0", "a1", "b1", "c1", "d1")
         >>> problem = Problem(chain=ops, recomputable=frozenset(ops), cost={}, flops={}, activations=(),
-        ...                   fixed=(0,) * 8, num_forward=4, blocks=(ops[:2], ops[2:]))
-        >>> [sorted(w) for w in block_windows(problem, width=2)]
-        [['a0', 'a1'], ['b0', 'b1']]
+        ...                   fixed=(0,) * 16, num_forward=8, blocks=(ops[:4], ops[4:]))
+        >>> [sorted(w) for w in block_windows(problem, width=4)]
+        [['a0', 'a1', 'b0', 'b1'], ['c0', 'c1', 'd0', 'd1'], ['b0', 'b1', 'c0', 'c1']]
     """
     stacks: dict[int, list[tuple[str, ...]]] = {}
     for block in problem.blocks:
         stacks.setdefault(len(block), []).append(block)
     windows = []
-    for length, blocks in stacks.items():
-        if len(blocks) < 2:
-            continue
-        span = max(1, width // len(blocks))
-        for lo in range(0, length, max(1, span // 2)):
-            window = frozenset(op for block in blocks for op in block[lo:lo + span] if op in problem.recomputable)
-            if window and window not in windows:
-                windows.append(window)
+    for length, stack in stacks.items():
+        for first in range(0, len(stack), width):
+            blocks = stack[first:first + width]
+            if len(blocks) < 2:
+                continue
+            span = max(1, width // len(blocks))
+            last = max(0, length - span)
+            side_by_side = [*range(0, last, span), last]
+            between = range(span // 2, last, span) if span > 1 else ()
+            for lo in [*side_by_side, *between]:
+                window = frozenset(op for block in blocks for op in block[lo:lo + span] if op in problem.recomputable)
+                if window and window not in windows:
+                    windows.append(window)
     return windows
 
 
