@@ -104,7 +104,7 @@ def write_markdown(rows: list[dict], path: Path) -> None:
 
 
 PROSE = """**Reading it.** Every plan measures within its budget at every depth. GPT-2 stays well ahead of √N
-(no extra FLOPs at its peak up to 6 layers, 0.04× at 12). Llama less so: 0.50× √N's extra FLOPs with 3 layers,
+(no extra FLOPs at its peak up to 6 layers, 0.05× at 12). Llama less so: 0.50× √N's extra FLOPs with 3 layers,
 0.63× with 6 and 0.74× with 12 — goal 1 holds at the suite's size only. Two things run out:
 
 * **The search.** CP-SAT's model grows with the ops (about 70 a layer) and from 6 Llama layers (448 ops) finds
@@ -117,8 +117,8 @@ PROSE = """**Reading it.** Every plan measures within its budget at every depth.
   or near it; what is left needs trades between layers further apart than a window (windows of 160 ops end
   at the same plans, of 250 at dearer ones). CP-SAT over the same stretch of every layer at once
   (`cpsat.block_windows`, `feasible (cp-sat across layers)`) makes such trades: it took 3-layer Llama from
-  0.53× to 0.50× and 12-layer GPT-2 from 0.05× to 0.04×, but changes little on deeper Llamas (6 layers: nothing
-  cheaper; 12: the same 0.74×), where the room is short.
+  0.53× to 0.50×, but changes little on deeper models (12-layer GPT-2 1.6% extra FLOPs as before; 6-layer
+  Llama: nothing cheaper; 12: the same 0.74×), where the room is short.
 * **The room.** Llama's recompute-only minimum is 0.82× √N's peak with 6 layers and 0.91× with 12: the
   parameters and their gradients, which no plan removes, grow with the layers while √N's activations grow as
   their square root, so at √N's peak a 12-layer Llama has 10% of room above the least memory any plan
