@@ -360,7 +360,9 @@ def test_plan_round_trips_through_json_and_reads_well():
     text = str(plan)
     assert "budget" in text and "recompute" in text and "blocks" in text
     assert plan.to_dot().startswith("digraph")
-    assert sum(1 for row in plan.table() if row["action"] == "recompute") == plan.count("recompute")
+    # a recomputed op whose region output a kept op saves can be stashed too: "recompute+offload"
+    recomputed = [row for row in plan.table() if row["action"].split("+")[0] == "recompute"]
+    assert len(recomputed) == plan.count("recompute")
 
 
 def test_rewritten_graph_shows_checkpoint_regions():
