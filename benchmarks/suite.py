@@ -323,10 +323,7 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
     reference_sqrt.append(record("sqrt_n articulation points", graph_sqrt, plan_time=time.perf_counter() - started))
     if name in HF:
         hf = copy.deepcopy(model)
-        if hasattr(hf, "activation_checkpointing_enable"):      # transformers 5.x; the older name is deprecated
-            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        models.hf_layer_checkpointing(hf)
         reset()
         hf.load_state_dict(bench.initial)
         result = measured_step(hf, hf, case.args, case.kwargs, seed=1)

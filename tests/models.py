@@ -27,6 +27,16 @@ def _quiet_transformers():
     return transformers
 
 
+def hf_layer_checkpointing(model, on: bool = True) -> None:
+    """Hugging Face's per-layer checkpointing (non-reentrant) on or off: transformers 5's
+    ``activation_checkpointing_*``, the older (now deprecated) ``gradient_checkpointing_*`` before it."""
+    name = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    if on:
+        getattr(model, f"{name}_checkpointing_enable")(**{f"{name}_checkpointing_kwargs": {"use_reentrant": False}})
+    else:
+        getattr(model, f"{name}_checkpointing_disable")()
+
+
 def gpt2() -> Case:
     t = _quiet_transformers()
     cfg = t.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=128, use_cache=False,

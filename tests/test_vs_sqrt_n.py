@@ -142,7 +142,7 @@ def test_a_budget_hugging_faces_per_layer_checkpointing_meets_is_met():
     """12-layer GPT-2 (narrow, so activations and parameters weigh alike): HF's
     ``gradient_checkpointing_enable()`` measured 3 428 872 B, and the minimum-peak search, starting from √N's
     and the segment plans, ended at 3 766 408 B — ``InfeasibleBudgetError`` named a minimum a one-line
-    change beats. Per-block checkpointing (each layer one region, from ``Problem.repeats``) is a start of
+    change beats. Per-block checkpointing (each layer one region, from ``Problem.blocks``) is a start of
     that search now: the budget is met, measured, with eager's gradients."""
     t = models._quiet_transformers()
     config = t.GPT2Config(n_layer=12, n_embd=32, n_head=4, vocab_size=128, n_positions=64, use_cache=False)
@@ -151,14 +151,9 @@ def test_a_budget_hugging_faces_per_layer_checkpointing_meets_is_met():
     ids = torch.randint(0, 128, (4, 64))
     kwargs = {"labels": ids}
     eager = measured_step(model, model, (ids,), kwargs, seed=1)
-    if hasattr(model, "activation_checkpointing_enable"):      # transformers 5.x; the older name is deprecated
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        per_layer = measured_step(model, model, (ids,), kwargs, seed=1).peak
-        model.activation_checkpointing_disable()
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        per_layer = measured_step(model, model, (ids,), kwargs, seed=1).peak
-        model.gradient_checkpointing_disable()
+    models.hf_layer_checkpointing(model)
+    per_layer = measured_step(model, model, (ids,), kwargs, seed=1).peak
+    models.hf_layer_checkpointing(model, on=False)
     model.zero_grad(set_to_none=True)
     compiled = autorecompute.compile(model, budget=per_layer, actions=("recompute",), solver_time_limit=SOLVER_TIME)
     ours = measured_step(compiled, model, (ids,), kwargs, seed=1)
