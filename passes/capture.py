@@ -206,11 +206,24 @@ def _innermost_frame(stack_trace: str) -> str | None:
     return lines[i] + (f": {lines[i + 1]}" if i + 1 < len(lines) else "")
 
 
+# Forward hooks whose one effect is to hand a module's output to the model's own return value, so the captured
+# graph returns what they collect at every step: transformers 5 installs these on first use of
+# ``output_hidden_states`` / ``output_attentions`` / ``output_router_logits`` and keeps them (module, name).
+OUTPUT_COLLECTING_HOOKS = {("transformers.utils.output_capturing", "output_capturing_hook")}
+
+
+def _only_collects_outputs(hook) -> bool:
+    function = getattr(hook, "__func__", hook)
+    return (getattr(function, "__module__", None), getattr(function, "__name__", None)) in OUTPUT_COLLECTING_HOOKS
+
+
 def _warn_of_hooks(model: torch.nn.Module) -> None:
     """Module hooks the compiled module cannot honour as eager does, each kind named in a warning.
 
     * A forward hook runs once, while the model is traced: what it computes on tensors becomes part of the
-      graph, but its other effects (storing activations, logging) do not happen again at each step.
+      graph, but its other effects (storing activations, logging) do not happen again at each step. Hooks
+      that only collect outputs into the model's return value (``OUTPUT_COLLECTING_HOOKS``) are silent: the
+      graph returns what they collect.
     * A submodule's backward hook (``register_full_backward_hook``, ``register_full_backward_pre_hook``,
       ``register_backward_hook``) wraps that module's inputs and outputs at each eager call; the captured
       graph has no module boundaries, so it never runs. Hooks on tensors — parameters' ``register_hook``
@@ -228,7 +241,8 @@ def _warn_of_hooks(model: torch.nn.Module) -> None:
              "or p.register_post_accumulate_grad_hook(fn): both run), hook the compiled module itself, or "
              "compile a submodule without the hooks.")):
         hooked = [path or type(model).__name__ for path, module in model.named_modules()
-                  if any(getattr(module, table) for table in tables)]
+                  if any(not _only_collects_outputs(hook) for table in tables
+                         for hook in getattr(module, table).values())]
         if hooked:
             warnings.warn(f"{kind} hooks on {hooked[:3]}{' …' if len(hooked) > 3 else ''} {effect}",
                           UserWarning, stacklevel=user_stacklevel())

@@ -339,3 +339,25 @@ def test_functional_call_with_plain_tensors_is_told_to_pass_parameters():
     tensors = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()}
     with pytest.raises(autorecompute.CaptureError, match="pass nn.Parameter values"):
         torch.func.functional_call(compiled, tensors, (torch.randn(4, 8),))
+
+
+def test_transformers_output_collecting_hooks_are_not_warned_of():
+    """transformers 5 installs forward hooks on first ``output_hidden_states=True`` and keeps them; they only
+    hand each layer's output to the model's return value, which the captured graph returns at every step.
+    No "run once" warning for them (it said side effects would be lost where none are), the hidden states and
+    gradients eager's bit for bit; a hook of the user's beside them is still named."""
+    import warnings
+
+    case = models.make("llama")
+    compiled = autorecompute.compile(case.model, budget=1.0, solver_time_limit=1)
+    kwargs = {"output_hidden_states": True}
+    eager = measured_step(case.model, case.model, case.args, kwargs)
+    assert any(case.model.model.layers[0]._forward_hooks.values())        # installed by transformers, kept
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = measured_step(compiled, case.model, case.args, kwargs)
+    assert len(ours.outputs) == len(eager.outputs) == 1 + len(case.model.model.layers) + 1
+    assert_bitwise_equal(eager, ours)
+    case.model.model.layers[1].register_forward_hook(lambda module, inputs, output: None)
+    with pytest.warns(UserWarning, match=r"forward hooks on \['model.layers.1'\]"):
+        capture(case.model, case.args, kwargs)
