@@ -7,11 +7,12 @@
 from autorecompute.api import CompiledModule, compile, plan
 from autorecompute.budget import format_bytes, parse_budget
 from autorecompute.errors import (AutorecomputeError, CaptureError, InfeasibleBudgetError,
-                                  OffloadError, PartialBackwardWarning, ReplanningWarning)
+                                  OffloadError, OverlappingStepsWarning, PartialBackwardWarning,
+                                  ReplanningWarning)
 from autorecompute.plan import Plan
 from autorecompute.transfer import TransferModel
 
 __all__ = ["compile", "plan", "parse_budget", "format_bytes", "Plan", "CompiledModule", "TransferModel",
            "InfeasibleBudgetError", "CaptureError", "OffloadError", "AutorecomputeError", "ReplanningWarning",
-           "PartialBackwardWarning"]
+           "PartialBackwardWarning", "OverlappingStepsWarning"]
 __version__ = "0.2.0"

@@ -15,7 +15,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from autorecompute.budget import format_bytes, parse_budget
-from autorecompute.errors import PartialBackwardWarning, ReplanningWarning, user_location, user_stacklevel
+from autorecompute.errors import (OverlappingStepsWarning, PartialBackwardWarning, ReplanningWarning, user_location,
+                                  user_stacklevel)
 from autorecompute.passes.capture import callers_autocast
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
@@ -444,6 +445,7 @@ class CompiledModule(torch.nn.Module):
         if not self._wants_plan(args, kwargs):
             return self._model(*args, **kwargs)
         self._check_last_backward()
+        self._check_overlapping_step()
         kwargs = self._without_cache(kwargs)
         planned = self._planned(args, kwargs)
         outputs = planned.module(*args, **kwargs)
@@ -452,7 +454,41 @@ class CompiledModule(torch.nn.Module):
                 _watch_retained_graph(self, outputs)
             planned.backward_watched = True
             self._watch_backward(outputs)
+        self._watch_overlapping_step(outputs)
         return outputs
+
+    def _watch_overlapping_step(self, outputs) -> None:
+        """Every step until it has warned (a loop may overlap only some steps): marks the outputs' graph (alive
+        as long as a tensor or node of it is) until backward reaches one of them, for
+        :meth:`_check_overlapping_step` at the next forward. One hook per output, a few µs."""
+        tensors = [t for t in output_tensors_for_backward(outputs) if t.grad_fn is not None]
+        if not tensors or self.__dict__.get("_told_overlap"):
+            return
+        pending = _PendingBackward()
+
+        def reached(grad):
+            pending.done = True
+
+        for tensor in tensors:
+            tensor.register_hook(reached)      # held by the graph: ``pending`` lives exactly as long as it
+        self.__dict__["_pending"] = weakref.ref(pending)
+
+    def _check_overlapping_step(self) -> None:
+        pending = self.__dict__.get("_pending")
+        pending = pending and pending()
+        if pending is None or pending.done:
+            return
+        self.__dict__["_pending"] = None
+        self.__dict__["_told_overlap"] = True
+        warnings.warn(
+            f"A forward of {type(self._model).__name__} began while the graph of its previous forward, whose "
+            "backward has not run, is still alive: the plan covers one forward and its backward, so the saved "
+            "activations of both forwards are on the device at once, which it did not count, and this step "
+            "can go over the budget (gradients are eager's). Fix: one forward per backward — run the inputs as "
+            "one batch (torch.cat, then split the outputs), or call backward on each forward's loss before the "
+            "next forward (gradients accumulate); if both forwards must be alive (a contrastive loss over two "
+            "views), give each call its share of the budget; outputs kept only for metrics: detach them.",
+            OverlappingStepsWarning, stacklevel=user_stacklevel())
 
     def _watch_backward(self, outputs) -> None:
         """The first step of each plan: whether its backward leaves out an output the plan gave a gradient
@@ -587,6 +623,15 @@ def _takes_keyword(function, name: str) -> bool:
         return name in inspect.signature(function).parameters
     except (TypeError, ValueError):
         return False
+
+
+class _PendingBackward:
+    """Put on a step's autograd graph by a hook: alive while the graph is, ``done`` once backward reaches it."""
+
+    __slots__ = ("done", "__weakref__")
+
+    def __init__(self):
+        self.done = False
 
 
 def _watch_retained_graph(compiled: CompiledModule, outputs) -> None:

@@ -145,12 +145,34 @@ def budget_arg(text: str) -> int | float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def steps_arg(text: str) -> int:
+    """The demo's number of training steps: a whole number, at least 1 (zero steps would measure nothing)."""
+    try:
+        steps = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--steps {text!r} is not a whole number") from None
+    if steps < 1:
+        raise argparse.ArgumentTypeError(f"--steps {steps}: the demo trains at least 1 step")
+    return steps
+
+
+def seconds_arg(text: str) -> float:
+    """A solver time limit: a positive number of seconds."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the solver time limit is a positive, finite number of seconds")
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="autorecompute", description="Fit PyTorch training into a memory budget.")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help=DEMO_HELP, description=DEMO_HELP)
-    d.add_argument("--steps", type=int, default=3)
-    d.add_argument("--solver-time-limit", type=float, default=4.0)
+    d.add_argument("--steps", type=steps_arg, default=3, help="training steps to measure (at least 1)")
+    d.add_argument("--solver-time-limit", type=seconds_arg, default=4.0)
     d.set_defaults(run=demo)
     p = sub.add_parser("plan", help="plan a model from MODULE:FACTORY without training",
                        description="Plan a model without training. FACTORY is a function of MODULE returning a "
@@ -160,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="bytes, '12GB', '1.5GiB', or a fraction of the unoptimized peak like 0.5")
     p.add_argument("--input-shape", help="comma-separated shape of one float input, e.g. 8,3,224,224")
     p.add_argument("--out", help="also write the plan: .html (one page), .json, .dot, .svg or .png (timeline)")
-    p.add_argument("--solver-time-limit", type=float, default=8.0)
+    p.add_argument("--solver-time-limit", type=seconds_arg, default=8.0)
     p.add_argument("--actions", default="recompute,offload",
                    help="comma-separated, among recompute, offload, compress (default: recompute,offload)")
     p.add_argument("--objective", default="time", choices=["time", "flops"],

@@ -71,6 +71,12 @@ class PartialBackwardWarning(UserWarning):
     activations stay on the device through that backward, which the plan did not count."""
 
 
+class OverlappingStepsWarning(UserWarning):
+    """A forward began while the graph of an earlier forward of the same compiled module, whose backward has
+    not run, was still alive (two forwards, then one backward): the plan covers one forward and its backward,
+    so both forwards' saved activations were on the device at once, which the plan did not count."""
+
+
 def user_stacklevel(in_backward: bool = False) -> int:
     """The ``stacklevel`` of a warning raised by the caller of this function that names the first frame outside
     autorecompute (its passes included), torch.nn (forward runs under nn.Module's call machinery, one frame

@@ -1,4 +1,5 @@
 """The public surface: shared state, pass-through modes, lazy per-signature plans, output structure."""
+import copy
 import gc
 import warnings
 import weakref
@@ -9,6 +10,7 @@ import torch
 import autorecompute
 import models
 from autorecompute.api import model_state
+from autorecompute.runtime.memory import LiveStorageTracker
 from autorecompute.plan import Plan
 from conftest import SOLVER_TIME
 from harness import assert_bitwise_equal, measured_step
@@ -628,6 +630,42 @@ def test_the_partial_backward_check_waits_for_the_backward_and_ignores_views(mod
         warnings.simplefilter("always")
         compiled(x)
     assert sum(issubclass(w.category, autorecompute.PartialBackwardWarning) for w in caught) == warns
+
+
+def _overlap_warnings(run) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return sum(issubclass(w.category, autorecompute.OverlappingStepsWarning) for w in caught)
+
+
+def test_two_forwards_before_one_backward_warn_once_with_the_measured_excess_explained():
+    """A contrastive step (two forwards, one backward) holds both forwards' activations at once, which the
+    plan (one forward and its backward) did not count: measured above the budget, it warns at the second
+    forward, once, even when earlier steps were plain; gradients stay eager's. A plain loop that keeps last
+    step's loss into the next forward, or a forward whose output is dropped, is not warned of."""
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)])
+    eager = copy.deepcopy(model)
+    compiled = autorecompute.compile(model, budget=0.8, solver_time_limit=SOLVER_TIME)
+    x1, x2 = torch.randn(2048, 64), torch.randn(2048, 64)
+
+    def plain_loop():
+        loss = None
+        for x in (x1, x1, x1):
+            compiled(x)                       # an output dropped: its graph goes with it
+            loss = compiled(x).sum()          # last step's loss is alive here, its backward done
+            loss.backward()
+
+    assert _overlap_warnings(plain_loop) == 0
+    model.zero_grad(set_to_none=True)
+    resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), x1, x2])
+    tracker = LiveStorageTracker()
+    with tracker:
+        assert _overlap_warnings(lambda: (compiled(x1).sum() + compiled(x2).pow(2).mean()).backward()) == 1
+    assert resident + tracker.peak > compiled.plan.budget
+    (eager(x1).sum() + eager(x2).pow(2).mean()).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+    assert _overlap_warnings(lambda: (compiled(x1).sum() + compiled(x2).sum()).backward()) == 0      # once
 
 
 def test_a_compiled_submodule_inside_an_eager_model():

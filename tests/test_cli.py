@@ -19,6 +19,20 @@ def test_budget_argument_forms():
             budget_arg(bad)
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["demo", "--steps", "0"], "at least 1 step"),
+    (["demo", "--steps", "-2"], "at least 1 step"),
+    (["demo", "--steps", "two"], "not a whole number"),
+    (["demo", "--solver-time-limit", "0"], "positive, finite"),
+    (["plan", "m:f", "--budget", "0.5", "--solver-time-limit", "nan"], "positive, finite"),
+])
+def test_counts_and_time_limits_are_checked_before_anything_runs(capsys, argv, says):
+    """``demo --steps 0`` printed a peak of 0 B and "OK" without training; a time limit of 0 reached the solver."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
 USER_MODELS = textwrap.dedent("""
     import torch
     def make():
