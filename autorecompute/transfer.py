@@ -2,14 +2,14 @@
 what an offload transfer costs against the compute that can hide it.
 
 Defaults are conservative figures for each device, not measured: plans stay reproducible from machine to
-machine. :func:`measure` times the disk tier and a matmul on this machine once and caches the result.
+machine. :func:`measure` times what each figure prices on this machine once (``autorecompute.probes``) and
+caches the result.
 """
 from __future__ import annotations
 
 import json
 import os
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 
 
@@ -100,16 +100,28 @@ def default_for(device_type: str) -> TransferModel:
     return CUDA_HOST if device_type in ("cuda", "meta") else CPU_DISK
 
 
-MEASURE_CACHE_FORMAT = 3     # the layout of measure()'s cache file (1: the bare TransferModel fields; 2: no overlap)
+MEASURE_CACHE_FORMAT = 4     # the layout of measure()'s cache file (1: the bare TransferModel fields; 2: no overlap;
+#                              3: call and memory-bound costs scaled by the matmul's speed, not timed)
 
 
 def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | None = None) -> TransferModel:
-    """Times this machine's disk tier and a CPU matmul once, caching the result in ``cache`` (default
-    ``~/.cache/autorecompute/transfer.json``). Pass the result as ``compile(..., transfer=...)``.
+    """Times this machine once — a matmul, a memory-bound op, a dropout, one call, one checkpointed region,
+    the disk tier, and an offloaded tensor's round trip through the stash runtime (``autorecompute.probes``)
+    — and caches the result in ``cache`` (default ``~/.cache/autorecompute/transfer.json``). Pass the result
+    as ``compile(..., transfer=...)``. Takes a few seconds, once.
 
     The cache holds what it was measured for (this format, the torch version, the directory's disk): a cache
-    from another version, another directory or an older format is measured again, not misread."""
+    from another version, another directory or an older format is measured again, not misread.
+
+    Example:
+        >>> import autorecompute, tempfile
+        >>> model = measure(cache=tempfile.mktemp())
+        >>> model.overlaps_compute, model.per_transfer_seconds > 0
+        (False, True)
+    """
     import torch
+
+    from autorecompute import probes
 
     cache = cache or os.path.join(os.path.expanduser("~"), ".cache", "autorecompute", "transfer.json")
     measured_for = {"format": MEASURE_CACHE_FORMAT, "torch": torch.__version__,
@@ -122,36 +134,21 @@ def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | N
                 return TransferModel(**saved["model"])
         except (ValueError, TypeError, KeyError, AttributeError):
             pass         # unreadable or another format: measure again
-    from autorecompute.runtime.tiers import DiskTier
-
-    data = torch.randn(nbytes // 4)
-    target = torch.empty_like(data)
-    tier = DiskTier(directory)
-    try:
-        for _ in range(2):        # the second round is a step's steady state: the file's pages exist
-            started = time.perf_counter()
-            stored, _ = tier.store(data, "probe")
-            write = time.perf_counter() - started
-            started = time.perf_counter()
-            tier.load(stored, target, "probe").wait()
-            read = time.perf_counter() - started
-            tier.release(stored)
-    finally:
-        tier.close()
-    a = torch.randn(1024, 1024)
-    a @ a                # the first call pays for the kernel's setup, not the FLOPs
-    started = time.perf_counter()
-    for _ in range(8):
-        a @ a
-    flops = 8 * 2 * 1024**3 / (time.perf_counter() - started)
-    # the memory-bound and call costs scale with the compute measured here, relative to the defaults
-    scale = flops / CPU_DISK.flops_per_second
-    model = TransferModel(flops_per_second=flops, write_bytes_per_second=nbytes / write,
-                          read_bytes_per_second=nbytes / read, per_transfer_seconds=CPU_DISK.per_transfer_seconds / scale,
-                          memory_bytes_per_second=CPU_DISK.memory_bytes_per_second * scale,
-                          random_bytes_per_second=CPU_DISK.random_bytes_per_second * scale,
-                          op_seconds=CPU_DISK.op_seconds / scale, region_seconds=CPU_DISK.region_seconds / scale,
-                          stash_seconds=CPU_DISK.stash_seconds / scale, overlaps_compute=CPU_DISK.overlaps_compute)
+    write, read = probes.disk_bytes_per_second(directory, nbytes)
+    per_op = probes.op_seconds()
+    memory = probes.memory_bytes_per_second(per_op)
+    per_transfer = probes.transfer_seconds(directory, write, read)
+    if per_transfer is None:         # nothing was offloaded to time: the default, as measured on the CI machine
+        per_transfer = CPU_DISK.per_transfer_seconds
+    model = TransferModel(flops_per_second=probes.matmul_flops_per_second(), write_bytes_per_second=write,
+                          read_bytes_per_second=read, per_transfer_seconds=per_transfer,
+                          memory_bytes_per_second=memory,
+                          random_bytes_per_second=probes.random_bytes_per_second(per_op, memory),
+                          op_seconds=per_op, region_seconds=probes.region_seconds(),
+                          # a rematerialized or compressed tensor runs the same kind of hooks and bookkeeping
+                          # as an offloaded one: its default in the proportion the transfer's timing gives
+                          stash_seconds=CPU_DISK.stash_seconds * per_transfer / CPU_DISK.per_transfer_seconds,
+                          overlaps_compute=CPU_DISK.overlaps_compute)
     os.makedirs(os.path.dirname(cache), exist_ok=True)
     with open(cache, "w") as f:
         json.dump({"measured_for": measured_for, "model": asdict(model)}, f)

@@ -1,17 +1,26 @@
 """measure(): the machine's transfer and compute speeds, cached for what they were measured for."""
 import json
 
+import pytest
+
+from autorecompute import probes
 from autorecompute.transfer import TransferModel, measure
 
 
-def test_measures_once_then_reads_the_cache(tmp_path):
+@pytest.fixture
+def quick_probes(monkeypatch):
+    """The cache's tests need measuring, not the seconds of planning the stash runtime's probe takes."""
+    monkeypatch.setattr(probes, "transfer_seconds", lambda *args: 5e-5)
+
+
+def test_measures_once_then_reads_the_cache(quick_probes, tmp_path):
     cache = tmp_path / "transfer.json"
     first = measure(str(tmp_path), nbytes=1 << 20, cache=str(cache))
     assert isinstance(first, TransferModel) and first.flops_per_second > 0 and first.write_bytes_per_second > 0
     assert measure(str(tmp_path), nbytes=1 << 20, cache=str(cache)) == first      # read back, not measured
 
 
-def test_a_cache_for_another_directory_or_format_is_measured_again(tmp_path):
+def test_a_cache_for_another_directory_or_format_is_measured_again(quick_probes, tmp_path):
     cache = tmp_path / "transfer.json"
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     measure(str(tmp_path / "a"), nbytes=1 << 20, cache=str(cache))
@@ -22,3 +31,21 @@ def test_a_cache_for_another_directory_or_format_is_measured_again(tmp_path):
     assert measure(str(tmp_path / "b"), nbytes=1 << 20, cache=str(cache)).flops_per_second > 1.0
     cache.write_text(json.dumps({**saved["model"], "a_field_gone_since": 0}))      # an older layout
     assert measure(str(tmp_path / "b"), nbytes=1 << 20, cache=str(cache)).flops_per_second > 1.0
+
+
+def test_each_figure_is_timed_not_scaled_by_the_matmul(monkeypatch, tmp_path):
+    """A call, a hook or a dropout does not run faster because matmuls do: with the matmul timed absurdly
+    fast, the per-op, per-region and per-transfer costs stay those of this machine's Python and dispatch."""
+    monkeypatch.setattr(probes, "matmul_flops_per_second", lambda: 1e18)
+    model = measure(str(tmp_path), nbytes=1 << 20, cache=str(tmp_path / "transfer.json"))
+    assert model.flops_per_second == 1e18
+    assert model.op_seconds > 1e-7 and model.region_seconds > 1e-6
+    assert model.per_transfer_seconds > 1e-6 and model.stash_seconds > 1e-6
+    assert 1e7 < model.memory_bytes_per_second < 1e13 and 1e7 < model.random_bytes_per_second < 1e13
+    assert not model.overlaps_compute          # the disk tier copies on the training thread
+
+
+def test_the_transfer_probe_offloads_through_the_stash_runtime(tmp_path):
+    """The per-transfer cost comes from a plan that offloads (not a fallback to the default)."""
+    seconds = probes.transfer_seconds(str(tmp_path), 4e9, 4e9)
+    assert seconds is not None and seconds > 0
