@@ -17,9 +17,9 @@ from typing import Any
 from autorecompute.budget import format_bytes
 from autorecompute.problem import GRADIENT
 
-# 5: the ``rematerialize:through`` action; 4: the ``rematerialize:chain`` action, ``delivers`` / ``delivered_by``;
+# 8: ``extra_seconds``; 7: ``region_remakes``; 6: ``region_starts``; 5: the ``rematerialize:through`` action; 4: the ``rematerialize:chain`` action, ``delivers`` / ``delivered_by``;
 # 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``; 2: ``stash``
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 ACTIONS = ("keep", "recompute", "rematerialize", "offload", "compress")
 
 
@@ -89,6 +89,9 @@ class Plan:
         decisions: node name → "keep" / "recompute".
         stash: tensor name → :class:`StashRecord`, for the activations offloaded or compressed.
         extra_flops: FLOPs recomputed in backward; ``baseline_flops`` the FLOPs of the forward.
+        extra_seconds: the time the plan adds to a step as the cost model prices it (the ``TransferModel``'s
+            speeds: FLOPs, memory-bound bytes, random numbers, calls and regions run again, transfers not
+            hidden), whatever the objective: what to hold a measured step against (0.0 in files before 8).
         solver_status / solver_time / solver_gap: CP-SAT's status, seconds and relative optimality gap of
             the cost solve ("trivial" when nothing had to be recomputed, "fallback" when the minimum-peak
             plan was used).
@@ -132,6 +135,7 @@ class Plan:
     stash: dict[str, StashRecord] = field(default_factory=dict)
     region_starts: tuple[str, ...] = ()
     region_remakes: tuple[str, ...] = ()
+    extra_seconds: float = 0.0
 
     # ---- queries -------------------------------------------------------------------------------------
     def count(self, action: str) -> int:
@@ -211,7 +215,7 @@ class Plan:
         if not isinstance(data, dict):
             raise ValueError(f"plan JSON must be an object (what Plan.to_json writes), got a {type(data).__name__}")
         version = data.pop("schema_version", None)
-        if version not in (1, 2, 3, 4, 5, 6, SCHEMA_VERSION):
+        if version not in (1, 2, 3, 4, 5, 6, 7, SCHEMA_VERSION):
             raise ValueError(f"plan JSON has schema_version {version!r}; this autorecompute reads "
                              f"1 to {SCHEMA_VERSION}")
         known = {f.name for f in fields(cls)}
@@ -244,6 +248,7 @@ class Plan:
             f"  recompute       {self.count('recompute')} of {len(self.decisions)} ops",
             # (rematerializations run ops again too: the FLOPs are the plan's, not the recompute line's)
             f"  extra FLOPs     {self.extra_flops:.3g} ({100 * self.extra_flops_ratio:.1f}% of forward)",
+            f"  extra time      {1e3 * self.extra_seconds:.3g} ms a step, as the cost model prices it",
             *self._stash_lines(),
             "  activation bytes off the device by action: " + ", ".join(
                 f"{action} {format_bytes(n)}" for action, n in sorted(self.bytes_by_action().items())),

@@ -215,10 +215,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
         # whatever a hand-made TransferModel says
         transfer = dataclasses.replace(transfer, overlaps_compute=False)
     speeds = transfer if options.objective == "time" else counting_flops(transfer)
-    problem = build_problem(gm, recompute="recompute" in options.actions,
-                            offload=transfer if "offload" in options.actions else None,
-                            compress_dtypes=options.dtypes, device=speeds,
-                            offload_gradients=not distributed())
+    problem = _build(gm, options, transfer, speeds)
     log.debug("profile + problem: %.2f s, %d ops in chain, %d recomputable, %d activations, %d stashable",
               time.perf_counter() - t, len(problem.chain), len(problem.recomputable), len(problem.activations),
               len(problem.stash_options))
@@ -434,12 +431,21 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
         nodes=_node_records(gm, problem), model_name=type(model).__name__, signature=signature,
         edges=_edges(gm, problem), timeline=_timeline(problem, recompute, stash, profile.resident_bytes),
         num_forward=problem.num_forward, at_peak=_at_peak(problem, recompute, stash),
-        stash=_stash_records(gm, problem, stash))
+        stash=_stash_records(gm, problem, stash),
+        extra_seconds=transfer.compute_seconds(extra_cost(
+            problem if speeds is transfer else _build(gm, options, transfer, transfer), recompute, stash)))
     log.debug("plan: %s", plan.summary())
     # last, on the module that runs: each op called through eager's own binding where that dispatches the same
     # ops (the same kernels and allocations as verified; a microsecond less per call)
     rewrite_calls(module.graph_module if isinstance(module, StashedModule) else module)
     return Planned(plan=plan, module=module)
+
+
+def _build(gm: torch.fx.GraphModule, options: PlannerOptions, transfer, speeds) -> Problem:
+    """The problem of a profiled ``gm``, recomputation priced at ``speeds``, transfers at ``transfer``."""
+    return build_problem(gm, recompute="recompute" in options.actions,
+                         offload=transfer if "offload" in options.actions else None,
+                         compress_dtypes=options.dtypes, device=speeds, offload_gradients=not distributed())
 
 
 def _fits_cheaper(problem: Problem, budget: int, plan: Decisions, than: Decisions) -> bool:

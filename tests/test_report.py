@@ -179,3 +179,27 @@ def test_graph_and_page_show_stash_only_plans_and_every_offloaded_gradient():
     page = plan_to_html(plan)
     assert f"Parameter gradients offloaded ({len(gradients)})" in page
     assert all(f"<td>{name}</td>" in page for name in gradients)
+
+
+@pytest.mark.parametrize("objective", ["time", "flops"])
+def test_the_plan_says_the_extra_time_its_cost_model_prices(objective):
+    """``extra_seconds`` is the plan's price at the ``TransferModel``'s speeds whatever the objective: with
+    only FLOPs priced (1 GFLOP/s, calls, bytes and regions free) it is the extra FLOPs in nanoseconds; a plan
+    that does nothing costs nothing; a schema-7 file reads as 0."""
+    free_calls = autorecompute.TransferModel(
+        flops_per_second=1e9, write_bytes_per_second=1e9, read_bytes_per_second=1e9, per_transfer_seconds=0.0,
+        memory_bytes_per_second=1e30, random_bytes_per_second=1e30, op_seconds=0.0, region_seconds=0.0,
+        stash_seconds=0.0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)])
+    x = torch.randn(2048, 64)
+    plan = autorecompute.plan(model, x, budget=0.8, actions=("recompute",), transfer=free_calls,
+                              objective=objective, solver_time_limit=SOLVER_TIME)
+    assert plan.extra_flops > 0
+    assert plan.extra_seconds == pytest.approx(plan.extra_flops / 1e9, rel=1e-3)
+    assert "extra time" in plan.summary()
+    kept = autorecompute.plan(model, x, budget=1.0, transfer=free_calls, solver_time_limit=SOLVER_TIME)
+    assert kept.extra_seconds == 0.0
+    old = json.loads(plan.to_json())
+    old.pop("extra_seconds")
+    old["schema_version"] = 7
+    assert Plan.from_json(json.dumps(old)) == dataclasses.replace(plan, extra_seconds=0.0)
