@@ -1,10 +1,18 @@
-"""Timings of this machine that the cost model's throughputs come from: what :func:`autorecompute.transfer.measure`
-runs. Each probe times the thing the planner prices — a matmul, a memory-bound op, a dropout, one call, one
-checkpointed region, the disk tier, and one offloaded tensor through the stash runtime — rather than scaling
-one figure by another: a machine whose matmuls are twice as fast does not run Python hooks twice as fast.
+"""Timings of this machine that :func:`autorecompute.transfer.measure` sets the offload figures of the cost model
+from: the disk tier's throughput on one large tensor, and the fixed cost of one transfer timed through the
+runtime — an offload plan of a chain of small tensors against the same chain kept, the bytes' time taken out
+(its hooks, stash nodes, bookkeeping and system calls: what a copy costs besides its bytes).
 
-A probe of one op takes the least of repeated runs (a busy moment only adds time); a probe of a difference
-times both sides in turn, round after round, and takes the medians (a slow moment hits both alike).
+Recomputation is not timed here. Its figures (kernels' speeds, a call, a region) are the defaults, fitted on
+whole steps of the CI CPU, and timing them any other way priced worse there: on a 12-layer BERT (recompute
+plan measured +33 to +43 ms over eager) the defaults say +37 ms; kernels and calls timed one by one said +21
+(a call inside a checkpoint pays for its hooks, a region for its inputs and outputs); scaling the defaults
+by the matmul's speed said +20; two factors (kernels, calls) fitted on recompute plans of two probe models
+moved from run to run (×0.69–0.98, ×0.66–2.2), and the plan made with one such fit ran +38 ms where the
+defaults' plan ran +25. A fit that holds from model to model needs evidence from more machines than one.
+
+Each difference is timed on both sides in turn, round after round, and the medians taken (a slow moment hits
+both alike).
 """
 from __future__ import annotations
 
@@ -14,28 +22,13 @@ from typing import Callable
 
 import torch
 
-# a memory-bound op writes this many bytes in the probe: large enough that its dispatch is a small part of it,
-# small enough to stay in the caches a recomputed activation of a small model lives in
-MEMORY_PROBE_BYTES = 1 << 20
-# the stash runtime's probe: a chain of small tensors (bytes cost next to nothing, the hooks and nodes all)
+# the transfer probe: a chain of small tensors (bytes cost next to nothing, the hooks and nodes all)
 TRANSFER_PROBE_LAYERS = 12
 TRANSFER_PROBE_SHAPE = (64, 32)
 
 
-def _least_seconds(run: Callable[[], object], repeats: int, inner: int = 1) -> float:
-    """The least over ``repeats`` of the time ``inner`` calls of ``run`` take, per call (after one warm-up)."""
-    run()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        for _ in range(inner):
-            run()
-        times.append((time.perf_counter() - started) / inner)
-    return min(times)
-
-
 def _paired_medians(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each of ``runs``, timed in turn round after round (a slow moment hits all alike)."""
+    """Median seconds of each of ``runs``, timed in turn round after round (after one warm-up round)."""
     for run in runs.values():
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -47,50 +40,11 @@ def _paired_medians(runs: dict[str, Callable[[], object]], repeats: int) -> dict
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def matmul_flops_per_second(size: int = 1024) -> float:
-    """FLOP/s of a ``size``² float32 matmul, the op that dominates recomputed FLOPs."""
-    a = torch.randn(size, size)
-    return 2 * size**3 / _least_seconds(lambda: a @ a, repeats=8)
-
-
-def op_seconds() -> float:
-    """The fixed cost of one op: a one-element add called as a captured graph calls it (an aten overload,
-    its input requiring grad as in a recomputation, so autograd records it) — no bytes to speak of."""
-    a, b = torch.ones(1, requires_grad=True), torch.ones(1)
-    return _least_seconds(lambda: torch.ops.aten.add.Tensor(a, b), repeats=20, inner=200)
-
-
-def memory_bytes_per_second(per_op: float) -> float:
-    """Bytes a memory-bound op (a product of two tensors) writes per second, its fixed cost ``per_op`` taken
-    out."""
-    x, y = torch.randn(MEMORY_PROBE_BYTES // 4), torch.randn(MEMORY_PROBE_BYTES // 4)
-    seconds = _least_seconds(lambda: torch.mul(x, y), repeats=30)
-    return MEMORY_PROBE_BYTES / max(seconds - per_op, seconds / 2)
-
-
-def random_bytes_per_second(per_op: float, memory: float) -> float:
-    """Bytes of random numbers a dropout draws per second (one per element of its result), its call and
-    written bytes taken out, as the planner adds the three."""
-    x = torch.randn(MEMORY_PROBE_BYTES // 4)
-    seconds = _least_seconds(lambda: torch.nn.functional.dropout(x, 0.1, training=True), repeats=30)
-    # drawing dominates a dropout on a CPU; should the memory probe have been slow, keep half of it for drawing
-    drawing = max(seconds - per_op - MEMORY_PROBE_BYTES / memory, seconds / 2)
-    return MEMORY_PROBE_BYTES / drawing
-
-
-def region_seconds() -> float:
-    """Forward + backward cost of one recomputed region beyond its ops: the runtime's own checkpoint call
-    around a one-op body against that body run plainly."""
-    import torch.fx
-
-    from autorecompute.runtime.regions import CheckpointRegion
-
-    body = torch.fx.symbolic_trace(lambda recomputing, x: (x.sin(),))
-    region = CheckpointRegion(body, preserve_rng_state=False)
-    x = torch.ones(16, requires_grad=True)
-    medians = _paired_medians({"plain": lambda: body(False, x)[0].sum().backward(),
-                               "region": lambda: region(x)[0].sum().backward()}, repeats=200)
-    return max(0.0, medians["region"] - medians["plain"])
+def _training_step(module, x) -> Callable[[], object]:
+    def step():
+        module.zero_grad(set_to_none=True)
+        module(x).sum().backward()
+    return step
 
 
 def disk_bytes_per_second(directory: str | None, nbytes: int) -> tuple[float, float]:
@@ -115,6 +69,17 @@ def disk_bytes_per_second(directory: str | None, nbytes: int) -> tuple[float, fl
     return nbytes / write, nbytes / read
 
 
+def _minimum(model, x, actions, **options) -> int:
+    import autorecompute
+    from autorecompute.errors import InfeasibleBudgetError
+
+    try:
+        autorecompute.plan(model, x, budget=1, actions=actions, **options)
+    except InfeasibleBudgetError as error:
+        return error.minimum
+    raise AssertionError("a 1-byte budget was met")       # below any model's parameters: cannot happen
+
+
 def transfer_seconds(directory: str | None, write_bytes_per_second: float,
                      read_bytes_per_second: float) -> float | None:
     """The fixed cost of one transfer (half an offloaded tensor's round trip) through the stash runtime:
@@ -123,7 +88,6 @@ def transfer_seconds(directory: str | None, write_bytes_per_second: float,
 
     Returns None when the plan offloaded nothing (nothing to time)."""
     import autorecompute
-    from autorecompute.errors import InfeasibleBudgetError
 
     width = TRANSFER_PROBE_SHAPE[1]
     with torch.random.fork_rng():
@@ -131,20 +95,11 @@ def transfer_seconds(directory: str | None, write_bytes_per_second: float,
         model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
                                       for _ in range(TRANSFER_PROBE_LAYERS)])
     x = torch.randn(TRANSFER_PROBE_SHAPE)
-    try:
-        autorecompute.plan(model, x, budget=1, actions=("offload",), offload_dir=directory, solver_time_limit=1.0)
-        return None                      # cannot happen: one byte is below any model's minimum
-    except InfeasibleBudgetError as error:
-        minimum = error.minimum
-    offloading = autorecompute.compile(model, budget=minimum, actions=("offload",), offload_dir=directory,
-                                       solver_time_limit=1.0)
-    keeping = autorecompute.compile(model, budget=1.0, actions=("offload",), offload_dir=directory,
-                                    solver_time_limit=1.0)
-
-    def step(module):
-        return lambda: (module.zero_grad(set_to_none=True), module(x).sum().backward())
-
-    medians = _paired_medians({"offloading": step(offloading), "keeping": step(keeping)}, repeats=60)
+    options = dict(actions=("offload",), offload_dir=directory, solver_time_limit=1.0)
+    offloading = autorecompute.compile(model, budget=_minimum(model, x, **options), **options)
+    keeping = autorecompute.compile(model, budget=1.0, **options)
+    medians = _paired_medians({"offloading": _training_step(offloading, x),
+                               "keeping": _training_step(keeping, x)}, repeats=60)
     records = [r for r in offloading.plan.stash.values() if r.action.startswith("offload")]
     if not records:
         return None

@@ -2,15 +2,15 @@
 what an offload transfer costs against the compute that can hide it.
 
 Defaults are conservative figures for each device, not measured: plans stay reproducible from machine to
-machine. :func:`measure` times what each figure prices on this machine once (``autorecompute.probes``) and
-caches the result.
+machine. :func:`measure` times this machine's offload path once (``autorecompute.probes``) and caches the
+result.
 """
 from __future__ import annotations
 
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,6 @@ def counting_flops(model: TransferModel) -> TransferModel:
     zero-FLOP recomputation from being free and elementwise recipes short without outweighing FLOPs): about
     the plan with the fewest extra FLOPs as ``FlopCounterMode`` counts them — the fastest plan where
     elementwise recomputation is fused away (``torch.compile``), not in eager mode on a CPU."""
-    from dataclasses import replace
-
     return replace(model, memory_bytes_per_second=model.flops_per_second * TIE_BREAK_BYTES_PER_FLOP,
                    random_bytes_per_second=model.flops_per_second * 1e6, op_seconds=0.0,
                    region_seconds=1.0 / model.flops_per_second, stash_seconds=0.0)
@@ -101,14 +99,15 @@ def default_for(device_type: str) -> TransferModel:
 
 
 MEASURE_CACHE_FORMAT = 4     # the layout of measure()'s cache file (1: the bare TransferModel fields; 2: no overlap;
-#                              3: call and memory-bound costs scaled by the matmul's speed, not timed)
+#                              3: every figure timed, the fixed costs scaled by the matmul's speed)
 
 
 def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | None = None) -> TransferModel:
-    """Times this machine once — a matmul, a memory-bound op, a dropout, one call, one checkpointed region,
-    the disk tier, and an offloaded tensor's round trip through the stash runtime (``autorecompute.probes``)
-    — and caches the result in ``cache`` (default ``~/.cache/autorecompute/transfer.json``). Pass the result
-    as ``compile(..., transfer=...)``. Takes a few seconds, once.
+    """Times this machine's offload path once and caches the result in ``cache`` (default
+    ``~/.cache/autorecompute/transfer.json``); pass it as ``compile(..., transfer=...)``. The disk tier's
+    throughput is timed on one ``nbytes`` tensor, the fixed cost of a transfer through the runtime on an
+    offload plan against the same model kept (``autorecompute.probes``, a few seconds); recomputation keeps
+    the CPU defaults, fitted on whole steps of the CI machine (why: ``autorecompute/probes.py``).
 
     The cache holds what it was measured for (this format, the torch version, the directory's disk): a cache
     from another version, another directory or an older format is measured again, not misread.
@@ -135,20 +134,11 @@ def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | N
         except (ValueError, TypeError, KeyError, AttributeError):
             pass         # unreadable or another format: measure again
     write, read = probes.disk_bytes_per_second(directory, nbytes)
-    per_op = probes.op_seconds()
-    memory = probes.memory_bytes_per_second(per_op)
     per_transfer = probes.transfer_seconds(directory, write, read)
     if per_transfer is None:         # nothing was offloaded to time: the default, as measured on the CI machine
         per_transfer = CPU_DISK.per_transfer_seconds
-    model = TransferModel(flops_per_second=probes.matmul_flops_per_second(), write_bytes_per_second=write,
-                          read_bytes_per_second=read, per_transfer_seconds=per_transfer,
-                          memory_bytes_per_second=memory,
-                          random_bytes_per_second=probes.random_bytes_per_second(per_op, memory),
-                          op_seconds=per_op, region_seconds=probes.region_seconds(),
-                          # a rematerialized or compressed tensor runs the same kind of hooks and bookkeeping
-                          # as an offloaded one: its default in the proportion the transfer's timing gives
-                          stash_seconds=CPU_DISK.stash_seconds * per_transfer / CPU_DISK.per_transfer_seconds,
-                          overlaps_compute=CPU_DISK.overlaps_compute)
+    model = replace(CPU_DISK, write_bytes_per_second=write, read_bytes_per_second=read,
+                    per_transfer_seconds=per_transfer)
     os.makedirs(os.path.dirname(cache), exist_ok=True)
     with open(cache, "w") as f:
         json.dump({"measured_for": measured_for, "model": asdict(model)}, f)

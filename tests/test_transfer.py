@@ -4,7 +4,7 @@ import json
 import pytest
 
 from autorecompute import probes
-from autorecompute.transfer import TransferModel, measure
+from autorecompute.transfer import CPU_DISK, TransferModel, measure
 
 
 @pytest.fixture
@@ -33,16 +33,15 @@ def test_a_cache_for_another_directory_or_format_is_measured_again(quick_probes,
     assert measure(str(tmp_path / "b"), nbytes=1 << 20, cache=str(cache)).flops_per_second > 1.0
 
 
-def test_each_figure_is_timed_not_scaled_by_the_matmul(monkeypatch, tmp_path):
-    """A call, a hook or a dropout does not run faster because matmuls do: with the matmul timed absurdly
-    fast, the per-op, per-region and per-transfer costs stay those of this machine's Python and dispatch."""
-    monkeypatch.setattr(probes, "matmul_flops_per_second", lambda: 1e18)
+def test_the_offload_path_is_timed_and_recomputation_keeps_the_defaults(tmp_path):
+    """The disk tier and a transfer's fixed cost are this machine's; recomputation's figures are the CPU
+    defaults (fitted on whole steps; probes/scaling priced worse), not scaled by anything."""
     model = measure(str(tmp_path), nbytes=1 << 20, cache=str(tmp_path / "transfer.json"))
-    assert model.flops_per_second == 1e18
-    assert model.op_seconds > 1e-7 and model.region_seconds > 1e-6
-    assert model.per_transfer_seconds > 1e-6 and model.stash_seconds > 1e-6
-    assert 1e7 < model.memory_bytes_per_second < 1e13 and 1e7 < model.random_bytes_per_second < 1e13
-    assert not model.overlaps_compute          # the disk tier copies on the training thread
+    assert model.write_bytes_per_second > 0 and model.read_bytes_per_second > 0
+    assert model.per_transfer_seconds > 1e-6 and model.per_transfer_seconds != CPU_DISK.per_transfer_seconds
+    recompute = ("flops_per_second", "memory_bytes_per_second", "random_bytes_per_second", "op_seconds",
+                 "region_seconds", "stash_seconds", "overlaps_compute")
+    assert all(getattr(model, name) == getattr(CPU_DISK, name) for name in recompute)
 
 
 def test_the_transfer_probe_offloads_through_the_stash_runtime(tmp_path):
