@@ -259,6 +259,7 @@ class CompiledModule(torch.nn.Module):
         self.__dict__["_states"] = {}          # each plan's model state (values, object ids), by key
         self.__dict__["_last"] = None
         self.__dict__["_watch"] = None         # a plan's first step's verdict, filled at the end of its backward
+        self.__dict__["_pending"] = None       # the last step's graph until its backward (_check_overlapping_step)
 
     def __deepcopy__(self, memo: dict) -> "CompiledModule":
         # plans and all: the copy's rewritten modules use the copy's parameters (the memo maps them)
@@ -294,7 +295,7 @@ class CompiledModule(torch.nn.Module):
         # modules, offload tiers), made again — the same plans, the planner is deterministic — on the first
         # training call after loading. nn.Module's own state first (it drops what Module.compile() bound)
         state = super().__getstate__()
-        state.update(_watch=None)
+        state.update(_watch=None, _pending=None)     # this process's graphs: nothing of them is copied
         if not keep_plans:
             state.update(_plans={}, _states={}, _last=None, _warned_at=None)
         return state
