@@ -7,7 +7,7 @@ Recomputation is not timed here. Its figures (kernels' speeds, a call, a region)
 whole steps of the CI CPU, and timing them any other way priced worse there: on a 12-layer BERT (recompute
 plan measured +33 to +43 ms over eager) the defaults say +37 ms; kernels and calls timed one by one said +21
 (a call inside a checkpoint pays for its hooks, a region for its inputs and outputs); scaling the defaults
-by the matmul's speed said +20; two factors (kernels, calls) fitted on recompute plans of two probe models
+by the matmul's speed (1.9× on two threads) would say about +21; two factors (kernels, calls) fitted on recompute plans of two probe models
 moved from run to run (×0.69–0.98, ×0.66–2.2), and the plan made with one such fit ran +38 ms where the
 defaults' plan ran +25. A fit that holds from model to model needs evidence from more machines than one.
 
