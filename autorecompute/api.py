@@ -20,7 +20,8 @@ from autorecompute.errors import (OverlappingStepsWarning, PartialBackwardWarnin
 from autorecompute.passes.capture import callers_autocast
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
-from autorecompute.runtime.memory import (ALLOCATOR_SLACK, device_bytes_outside, output_tensors_for_backward,
+from autorecompute.runtime.memory import (ALLOCATOR_SLACK, device_bytes_outside, differentiable_outputs,
+                                           output_tensors_for_backward,
                                           step_state, tensor_bytes)
 from autorecompute.runtime.stash import distributed
 from autorecompute.transfer import TransferModel
@@ -462,7 +463,9 @@ class CompiledModule(torch.nn.Module):
         """Every step until it has warned (a loop may overlap only some steps): marks the outputs' graph (alive
         as long as a tensor or node of it is) until backward reaches one of them, for
         :meth:`_check_overlapping_step` at the next forward. One hook per output, a few µs."""
-        tensors = [t for t in output_tensors_for_backward(outputs) if t.grad_fn is not None]
+        # every differentiable output, the model's own loss or not: a caller's loss may start from the logits
+        # and leave the returned loss alone (each reached marks the step done; each kept alive keeps the mark)
+        tensors = [t for t in differentiable_outputs(outputs) if t.grad_fn is not None]
         if not tensors or self.__dict__.get("_told_overlap"):
             return
         pending = _PendingBackward()

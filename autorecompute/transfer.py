@@ -2,8 +2,8 @@
 what an offload transfer costs against the compute that can hide it.
 
 Defaults are conservative figures for each device, not measured: plans stay reproducible from machine to
-machine. :func:`measure` times this machine's offload path once (``autorecompute.probes``) and caches the
-result.
+machine. :func:`measure` times this machine's CPU offload path once (``autorecompute.probes``) and caches
+the result.
 """
 from __future__ import annotations
 
@@ -103,8 +103,9 @@ MEASURE_CACHE_FORMAT = 4     # the layout of measure()'s cache file (1: the bare
 
 
 def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | None = None) -> TransferModel:
-    """Times this machine's offload path once and caches the result in ``cache`` (default
-    ``~/.cache/autorecompute/transfer.json``); pass it as ``compile(..., transfer=...)``. The disk tier's
+    """Times this machine's CPU offload path once and caches the result in ``cache`` (default
+    ``~/.cache/autorecompute/transfer.json``); pass it as ``compile(..., transfer=...)`` for a model trained
+    on the CPU (it times no GPU: on CUDA keep :data:`CUDA_HOST` or pass a model of your own). The disk tier's
     throughput is timed on one ``nbytes`` tensor, the fixed cost of a transfer through the runtime on an
     offload plan against the same model kept (``autorecompute.probes``, a few seconds); recomputation keeps
     the CPU defaults, fitted on whole steps of the CI machine (why: ``autorecompute/probes.py``).

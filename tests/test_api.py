@@ -668,6 +668,38 @@ def test_two_forwards_before_one_backward_warn_once_with_the_measured_excess_exp
     assert _overlap_warnings(lambda: (compiled(x1).sum() + compiled(x2).sum()).backward()) == 0      # once
 
 
+class WithOwnLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+
+    def forward(self, x, labels):
+        logits = self.body(x)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_the_overlap_watch_follows_every_output_not_only_the_returned_loss():
+    """A model called with labels returns its loss beside the logits. A loop that backpropagates a loss of
+    its own from the logits (label smoothing) and keeps the output into the next forward is not warned of;
+    two forwards whose logits alone are kept for one loss (R-Drop's KL), the returned losses dropped, are."""
+    compiled = autorecompute.compile(WithOwnLoss(), budget=1.0, solver_time_limit=SOLVER_TIME)
+    x, labels = torch.randn(256, 64), torch.randint(0, 8, (256,))
+
+    def own_loss_loop():
+        out = None
+        for _ in range(3):
+            out = compiled(x, labels)
+            torch.nn.functional.cross_entropy(out["logits"], labels, label_smoothing=0.1).backward()
+
+    assert _overlap_warnings(own_loss_loop) == 0
+
+    def two_views():
+        a, b = compiled(x, labels)["logits"], compiled(x, labels)["logits"]
+        torch.nn.functional.kl_div(a.log_softmax(-1), b.softmax(-1), reduction="batchmean").backward()
+
+    assert _overlap_warnings(two_views) == 1
+
+
 def test_a_compiled_submodule_inside_an_eager_model():
     """``model.block = compile(model.block)``: the block's input is an activation of the eager model, not a
     leaf; planning treats it as the leaf it is to the block (it had backpropagated into the example input

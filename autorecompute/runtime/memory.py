@@ -204,6 +204,18 @@ def output_tensors_for_backward(outputs: Any) -> list[torch.Tensor]:
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
     if _differentiable(loss) and loss.dim() == 0:
         return [loss]
+    return differentiable_outputs(outputs)
+
+
+def differentiable_outputs(outputs: Any) -> list[torch.Tensor]:
+    """Every differentiable floating-point tensor of ``outputs`` (a loss the model returns among them): what
+    a loss computed by the caller may start its backward from.
+
+    Example:
+        >>> logits = torch.randn(2, 3, requires_grad=True)
+        >>> [t.shape for t in differentiable_outputs({"loss": logits.sum(), "logits": logits, "n": 3})]
+        [torch.Size([]), torch.Size([2, 3])]
+    """
     flat, _ = tree_flatten(outputs)
     return [t for t in flat if _differentiable(t)]
 
