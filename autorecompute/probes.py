@@ -94,7 +94,7 @@ def transfer_seconds(directory: str | None, write_bytes_per_second: float,
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
                                       for _ in range(TRANSFER_PROBE_LAYERS)])
-    x = torch.randn(TRANSFER_PROBE_SHAPE)
+        x = torch.randn(TRANSFER_PROBE_SHAPE)
     options = dict(actions=("offload",), offload_dir=directory, solver_time_limit=1.0)
     offloading = autorecompute.compile(model, budget=_minimum(model, x, **options), **options)
     keeping = autorecompute.compile(model, budget=1.0, **options)

@@ -134,8 +134,9 @@ def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | N
                 return TransferModel(**saved["model"])
         except (ValueError, TypeError, KeyError, AttributeError):
             pass         # unreadable or another format: measure again
-    write, read = probes.disk_bytes_per_second(directory, nbytes)
-    per_transfer = probes.transfer_seconds(directory, write, read)
+    with torch.random.fork_rng():         # a calibration leaves the caller's random stream where it was
+        write, read = probes.disk_bytes_per_second(directory, nbytes)
+        per_transfer = probes.transfer_seconds(directory, write, read)
     if per_transfer is None:         # nothing was offloaded to time: the default, as measured on the CI machine
         per_transfer = CPU_DISK.per_transfer_seconds
     model = replace(CPU_DISK, write_bytes_per_second=write, read_bytes_per_second=read,

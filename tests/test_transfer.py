@@ -36,7 +36,11 @@ def test_a_cache_for_another_directory_or_format_is_measured_again(quick_probes,
 def test_the_offload_path_is_timed_and_recomputation_keeps_the_defaults(tmp_path):
     """The disk tier and a transfer's fixed cost are this machine's; recomputation's figures are the CPU
     defaults (fitted on whole steps; probes/scaling priced worse), not scaled by anything."""
+    import torch
+
+    before = torch.random.get_rng_state()
     model = measure(str(tmp_path), nbytes=1 << 20, cache=str(tmp_path / "transfer.json"))
+    assert torch.equal(torch.random.get_rng_state(), before)       # the caller's random stream untouched
     assert model.write_bytes_per_second > 0 and model.read_bytes_per_second > 0
     assert model.per_transfer_seconds > 1e-6 and model.per_transfer_seconds != CPU_DISK.per_transfer_seconds
     recompute = ("flops_per_second", "memory_bytes_per_second", "random_bytes_per_second", "op_seconds",
