@@ -99,7 +99,7 @@ def default_for(device_type: str) -> TransferModel:
 
 
 MEASURE_CACHE_FORMAT = 4     # the layout of measure()'s cache file (1: the bare TransferModel fields; 2: no overlap;
-#                              3: every figure timed, the fixed costs scaled by the matmul's speed)
+#                              3: the disk tier and a matmul timed, every other figure scaled by the matmul's speed)
 
 
 def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | None = None) -> TransferModel:
