@@ -15,8 +15,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from autorecompute.budget import format_bytes, parse_budget
-from autorecompute.errors import (OverlappingStepsWarning, PartialBackwardWarning, ReplanningWarning, user_location,
-                                  user_stacklevel)
+from autorecompute.errors import (InfeasibleBudgetError, OverlappingStepsWarning, PartialBackwardWarning,
+                                  ReplanningWarning, SolverError, user_location, user_stacklevel)
 from autorecompute.passes.capture import callers_autocast
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
@@ -727,3 +727,36 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
     kwargs = _without_cache(model, kwargs)
     planned: Planned = make_plan(model, args, kwargs, budget, options, step_signature(model, args, kwargs))
     return planned.plan
+
+
+def minimum_peak(model: torch.nn.Module, *args, actions: tuple[str, ...] = DEFAULT_ACTIONS,
+                 compress_dtypes: tuple[str, ...] | None = None, offload_dir: str | None = None,
+                 transfer: TransferModel | None = None, solver_time_limit: float = 8.0, seed: int = 0,
+                 **kwargs) -> int:
+    """The least peak, in bytes, that a plan with ``actions`` reaches for one training step of ``model`` on
+    the example inputs: the smallest budget :func:`compile` and :func:`plan` accept for them (arguments as
+    :func:`compile`; ``InfeasibleBudgetError.breakdown`` says what it is made of).
+
+    It is measured, as every plan is, on fake tensors: model and inputs may be on the ``meta`` device.
+    Gradients the model holds now count, as they would in the step (``model.zero_grad(set_to_none=True)``
+    first for the step that starts without them). The solver spends its whole time limit on it.
+
+    Example:
+        >>> import autorecompute, torch
+        >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+        ...                               for _ in range(6)])
+        >>> x = torch.randn(512, 64)
+        >>> low = autorecompute.minimum_peak(model, x, actions=("recompute",), solver_time_limit=1.0)
+        >>> low < autorecompute.plan(model, x, budget=1.0, solver_time_limit=1.0).baseline_peak
+        True
+        >>> p = autorecompute.plan(model, x, budget=low, actions=("recompute",), solver_time_limit=1.0)
+        >>> p.predicted_peak <= low
+        True
+    """
+    try:
+        # a 1-byte budget is below any step's: the planner searches its lowest peak, then says what it is
+        plan(model, *args, budget=1, actions=actions, compress_dtypes=compress_dtypes, offload_dir=offload_dir,
+             transfer=transfer, solver_time_limit=solver_time_limit, seed=seed, **kwargs)
+    except InfeasibleBudgetError as error:
+        return error.minimum
+    raise SolverError("a plan met a 1-byte budget: please report this bug")

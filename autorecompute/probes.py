@@ -69,17 +69,6 @@ def disk_bytes_per_second(directory: str | None, nbytes: int) -> tuple[float, fl
     return nbytes / write, nbytes / read
 
 
-def _minimum(model, x, actions, **options) -> int:
-    import autorecompute
-    from autorecompute.errors import InfeasibleBudgetError
-
-    try:
-        autorecompute.plan(model, x, budget=1, actions=actions, **options)
-    except InfeasibleBudgetError as error:
-        return error.minimum
-    raise AssertionError("a 1-byte budget was met")       # below any model's parameters: cannot happen
-
-
 def transfer_seconds(directory: str | None, write_bytes_per_second: float,
                      read_bytes_per_second: float) -> float | None:
     """The fixed cost of one transfer (half an offloaded tensor's round trip) through the stash runtime:
@@ -96,7 +85,7 @@ def transfer_seconds(directory: str | None, write_bytes_per_second: float,
                                       for _ in range(TRANSFER_PROBE_LAYERS)])
         x = torch.randn(TRANSFER_PROBE_SHAPE)
     options = dict(actions=("offload",), offload_dir=directory, solver_time_limit=1.0)
-    offloading = autorecompute.compile(model, budget=_minimum(model, x, **options), **options)
+    offloading = autorecompute.compile(model, budget=autorecompute.minimum_peak(model, x, **options), **options)
     keeping = autorecompute.compile(model, budget=1.0, **options)
     medians = _paired_medians({"offloading": _training_step(offloading, x),
                                "keeping": _training_step(keeping, x)}, repeats=60)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass, replace
 
 
@@ -141,7 +142,12 @@ def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | N
         per_transfer = CPU_DISK.per_transfer_seconds
     model = replace(CPU_DISK, write_bytes_per_second=write, read_bytes_per_second=read,
                     per_transfer_seconds=per_transfer)
-    os.makedirs(os.path.dirname(cache), exist_ok=True)
-    with open(cache, "w") as f:
-        json.dump({"measured_for": measured_for, "model": asdict(model)}, f)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
+        with open(cache, "w") as f:
+            json.dump({"measured_for": measured_for, "model": asdict(model)}, f)
+    except OSError as error:     # the figures are good: hand them back, and say why the next call measures again
+        warnings.warn(f"measure(): cache={cache!r} cannot be written ({error.strerror or error}); the figures "
+                      "are returned but not kept, so the next call measures again. Fix: pass cache= a writable "
+                      "file path.", UserWarning, stacklevel=2)
     return model

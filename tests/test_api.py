@@ -436,10 +436,7 @@ def test_the_minimum_peak_search_ends_where_no_single_change_lowers_it(monkeypat
     from autorecompute.solvers import greedy
 
     def minimum(case) -> int:
-        with pytest.raises(autorecompute.InfeasibleBudgetError) as error:
-            autorecompute.plan(case.model, *case.args, budget=1, actions=("recompute",),
-                               solver_time_limit=SOLVER_TIME)
-        return error.value.minimum
+        return autorecompute.minimum_peak(case.model, *case.args, actions=("recompute",), solver_time_limit=SOLVER_TIME)
 
     case = models.make("gpt")
     eager = measured_step(case.model, case.model, case.args, case.kwargs, seed=1)
@@ -454,6 +451,57 @@ def test_the_minimum_peak_search_ends_where_no_single_change_lowers_it(monkeypat
     assert result.peak <= lowest
     for name, grad in eager.grads.items():
         assert torch.equal(grad, result.grads[name]), name
+
+
+def test_minimum_peak_is_the_least_budget_a_plan_meets():
+    """``autorecompute.minimum_peak`` is the ``.minimum`` a budget below it is refused with; a step compiled at
+    that budget measures within it with eager's gradients; gradients the model holds count, and the meta
+    device, priced as this CPU, gives the same answer."""
+    from autorecompute.transfer import CPU_DISK
+
+    case = models.make("mlp")
+    model, x = case.model, case.args[0]
+    eager = measured_step(model, model, case.args, case.kwargs, seed=1)
+    with_gradients = autorecompute.minimum_peak(model, x, actions=("recompute",), solver_time_limit=SOLVER_TIME)
+    model.zero_grad(set_to_none=True)
+    lowest = autorecompute.minimum_peak(model, x, actions=("recompute",), solver_time_limit=SOLVER_TIME)
+    assert lowest < with_gradients
+    with pytest.raises(autorecompute.InfeasibleBudgetError) as info:
+        autorecompute.plan(model, x, budget=lowest - 1, actions=("recompute",), solver_time_limit=SOLVER_TIME)
+    assert info.value.minimum == lowest
+    on_meta = copy.deepcopy(model).to("meta")     # (meta is priced as a GPU unless told: CPU_DISK is the CPU's)
+    assert autorecompute.minimum_peak(on_meta, x.to("meta"), actions=("recompute",), transfer=CPU_DISK,
+                                      solver_time_limit=SOLVER_TIME) == lowest
+    compiled = autorecompute.compile(model, budget=lowest, actions=("recompute",), solver_time_limit=SOLVER_TIME)
+    result = measured_step(compiled, model, case.args, case.kwargs, seed=1)
+    assert result.peak <= lowest
+    assert_bitwise_equal(eager, result)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_plan_made_without_grad_mode_is_the_training_steps(mode):
+    """``prepare`` (or ``plan``) under ``no_grad``/``inference_mode`` plans the training step, as with grad on:
+    captured without grad, the step saved nothing for backward, and its plan — kept for these inputs — was
+    the training step's (1.17 MB measured against a 1 MB budget; the reviewer's case)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)])
+    x = torch.randn(512, 64)
+    eager = measured_step(model, model, (x,), {}, seed=1)
+    model.zero_grad(set_to_none=True)
+    budget = 1_000_000
+    expected = autorecompute.plan(model, x, budget=budget, solver_time_limit=SOLVER_TIME)
+    compiled = autorecompute.compile(model, budget=budget, solver_time_limit=SOLVER_TIME)
+    def same(plan):     # (their solve times differ)
+        return (plan.decisions, plan.stash, plan.predicted_peak, plan.baseline_peak) == \
+            (expected.decisions, expected.stash, expected.predicted_peak, expected.baseline_peak)
+
+    with mode():
+        planned = compiled.prepare(x)
+        assert same(autorecompute.plan(model, x, budget=budget, solver_time_limit=SOLVER_TIME))
+    assert same(planned) and planned.baseline_peak > budget
+    result = measured_step(compiled, model, (x,), {}, seed=1)
+    assert len(compiled.plans) == 1 and result.peak <= budget
+    assert_bitwise_equal(eager, result)
 
 
 @pytest.mark.parametrize("copy_of", ["deepcopy", "copy", "pickle", "torch.save"])

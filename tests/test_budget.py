@@ -59,7 +59,9 @@ def test_actions_that_name_nothing_to_do_are_explained(actions, says):
         autorecompute.compile(torch.nn.Linear(2, 2), budget="1GB", actions=actions)
 
 
-def test_a_solver_time_limit_must_be_a_number():
+@pytest.mark.parametrize("limit", ["2", 0, -1.0, float("nan"), float("inf"), True])
+def test_a_solver_time_limit_must_be_a_finite_number_of_seconds(limit):
+    """Infinity too: the limit also sets the deterministic work CP-SAT's windows may spend (an integer)."""
     import torch
-    with pytest.raises(ValueError, match="number of seconds"):
-        autorecompute.compile(torch.nn.Linear(2, 2), budget="1GB", solver_time_limit="2")
+    with pytest.raises(ValueError, match="finite number of seconds > 0"):
+        autorecompute.compile(torch.nn.Linear(2, 2), budget="1GB", solver_time_limit=limit)

@@ -52,3 +52,13 @@ def test_the_transfer_probe_offloads_through_the_stash_runtime(tmp_path):
     """The per-transfer cost comes from a plan that offloads (not a fallback to the default)."""
     seconds = probes.transfer_seconds(str(tmp_path), 4e9, 4e9)
     assert seconds is not None and seconds > 0
+
+
+def test_an_unwritable_cache_returns_the_figures_with_a_warning(quick_probes, tmp_path):
+    """A cache path that cannot be written (here under a regular file) does not throw the seconds of
+    measuring away: the figures come back, and a warning names the path and the fix."""
+    (tmp_path / "a_file").write_text("")
+    cache = tmp_path / "a_file" / "transfer.json"
+    with pytest.warns(UserWarning, match=r"cannot be written.*Fix: pass cache="):
+        model = measure(str(tmp_path), nbytes=1 << 20, cache=str(cache))
+    assert isinstance(model, TransferModel) and model.write_bytes_per_second > 0
