@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import inspect
 import logging
 import os
@@ -537,11 +538,20 @@ class CompiledModule(torch.nn.Module):
 
 
 def _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective) -> PlannerOptions:
-    return PlannerOptions(actions=tuple(actions) if not isinstance(actions, str) else actions,
+    return PlannerOptions(actions=_names(actions, "actions", "('recompute', 'offload')"),
                           compress_dtypes=None if compress_dtypes is None else
-                          (tuple(compress_dtypes) if not isinstance(compress_dtypes, str) else compress_dtypes),
+                          _names(compress_dtypes, "compress_dtypes", "('bfloat16',)"),
                           offload_dir=offload_dir, transfer=transfer, solver_time_limit=solver_time_limit, seed=seed,
                           objective=objective)
+
+
+def _names(value, argument: str, example: str):
+    """A tuple of the names given (a bare string is left for PlannerOptions to explain)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (tuple, list, set, frozenset)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ValueError(f"{argument}={value!r} must be a tuple of names such as {example}")
 
 
 def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple[str, ...] = DEFAULT_ACTIONS,
@@ -620,6 +630,29 @@ def _without_cache(model: torch.nn.Module, kwargs: dict, tell: bool = True) -> d
     return {**kwargs, "use_cache": False}
 
 
+def _check_model_keywords(model: torch.nn.Module, kwargs: dict, planner_call) -> None:
+    """The keywords :func:`plan` hands to ``model.forward``: a misspelled option of ``planner_call`` there
+    failed as a capture error about tracing, or went silently to a forward taking ``**kwargs``."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    options = [n for n, p in inspect.signature(planner_call).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    for name in kwargs:
+        if name in parameters:
+            continue
+        close = difflib.get_close_matches(name, options, n=1, cutoff=0.75)
+        hint = f" Did you mean {close[0]}= (an option of autorecompute.{planner_call.__name__})?" if close else ""
+        if not takes_any:
+            raise TypeError(f"{name}= is neither an option of autorecompute.{planner_call.__name__} nor an argument "
+                            f"of {type(model).__name__}.forward (keywords that are not options go to the "
+                            f"model).{hint}")
+        if close:
+            warnings.warn(f"{name}= goes to {type(model).__name__}.forward (it takes **kwargs), not to the "
+                          f"planner.{hint}", UserWarning, stacklevel=3)
+
+
 @lru_cache(maxsize=None)
 def _takes_keyword(function, name: str) -> bool:
     """Whether ``function`` has a parameter ``name`` (read once per function: the check runs every step)."""
@@ -673,6 +706,11 @@ def _original(model: torch.nn.Module) -> torch.nn.Module:
     would plan on its own inside the capture of the whole."""
     if isinstance(model, CompiledModule):
         model = model.__dict__["_model"]
+    if not isinstance(model, torch.nn.Module):
+        what = f"the class {model.__name__}" if isinstance(model, type) else f"a {type(model).__name__}"
+        raise TypeError(f"autorecompute plans a torch.nn.Module instance; got {what}. Fix: pass the model "
+                        "object (e.g. MyModel(...), not MyModel); a function can be wrapped in a Module whose "
+                        "forward calls it.")
     if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         fix = ("it wraps a compiled module already: use it as is" if isinstance(model.module, CompiledModule) else
                "compile the module it wraps and wrap the compiled module instead: DistributedDataParallel("
@@ -713,6 +751,9 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
     """Plans ``model`` for the example inputs without running a training step (arguments as :func:`compile`).
 
     Inputs and model may live on the ``meta`` device: planning runs on fake tensors and allocates nothing.
+    Keywords that are not options here go to ``model.forward`` as inputs (one close to an option's name is
+    refused, or told when ``forward`` takes ``**kwargs``). Under ``torch.no_grad()`` too, the plan is for a
+    training step.
 
     Example:
         >>> import autorecompute, torch
@@ -722,6 +763,7 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
         0
     """
     model = _original(model)
+    _check_model_keywords(model, kwargs, plan)
     _warn_if_checkpointing_itself(model, parse_budget(budget))
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
     kwargs = _without_cache(model, kwargs)
@@ -753,6 +795,7 @@ def minimum_peak(model: torch.nn.Module, *args, actions: tuple[str, ...] = DEFAU
         >>> p.predicted_peak <= low
         True
     """
+    _check_model_keywords(_original(model), kwargs, minimum_peak)
     try:
         # a 1-byte budget is below any step's: the planner searches its lowest peak, then says what it is
         plan(model, *args, budget=1, actions=actions, compress_dtypes=compress_dtypes, offload_dir=offload_dir,

@@ -90,7 +90,7 @@ def plan_command(args: argparse.Namespace) -> int:
         return code
 
     module_name, _, factory_name = args.factory.partition(":")
-    if not factory_name:
+    if not module_name or not factory_name:
         return fail(f"expected MODULE:FACTORY, got {args.factory!r}")
     if args.out and Path(args.out).suffix.lower() not in SAVE_FORMATS:     # before minutes of planning
         return fail(f"--out {args.out!r}: a plan is saved as {', '.join(SAVE_FORMATS)}")
@@ -99,7 +99,7 @@ def plan_command(args: argparse.Namespace) -> int:
     sys.path.insert(0, ".")
     try:
         factory = getattr(importlib.import_module(module_name), factory_name)
-    except (ImportError, AttributeError) as error:
+    except Exception as error:  # noqa: BLE001 — a missing module or name, or the module's own code failing
         return fail(f"cannot load {args.factory!r}: {type(error).__name__}: {error}")
     try:
         made = factory()
@@ -111,27 +111,43 @@ def plan_command(args: argparse.Namespace) -> int:
     if not isinstance(model, torch.nn.Module):
         return fail(f"{args.factory}() returned {type(model).__name__} where a torch.nn.Module was expected; "
                     "return a model, or (model, example inputs)")
-    if args.input_shape:
+    if args.input_shape is not None:
         try:
             shape = [int(s) for s in args.input_shape.split(",")]
         except ValueError:
-            return fail(f"--input-shape {args.input_shape!r}: expected comma-separated sizes, e.g. 8,3,224,224")
-        example = (torch.randn(*shape),)
+            shape = []
+        if not shape or any(not 0 < size < 2**40 for size in shape):
+            return fail(f"--input-shape {args.input_shape!r}: expected comma-separated positive sizes, e.g. "
+                        "8,3,224,224")
+        try:
+            example = (torch.randn(*shape),)
+        except RuntimeError as error:     # more than this machine holds: plan on the meta device instead
+            return fail(f"--input-shape {args.input_shape!r}: {str(error).splitlines()[0]}. Fix: return a model and "
+                        "inputs on the meta device from the factory (planning allocates nothing)")
     if example is None:
         return fail("the factory returned no inputs; pass --input-shape")
     example = example if isinstance(example, tuple) else (example,)
     try:
         plan = autorecompute.plan(model, *example, budget=args.budget, solver_time_limit=args.solver_time_limit,
-                                  actions=tuple(args.actions.split(",")),
-                                  compress_dtypes=tuple(args.compress_dtypes.split(",")) if args.compress_dtypes else None,
+                                  actions=_names(args.actions),
+                                  compress_dtypes=None if args.compress_dtypes is None else _names(args.compress_dtypes),
                                   objective=args.objective)
     except (autorecompute.AutorecomputeError, ValueError) as error:
         return fail(str(error), 1)
     print(plan)
     if args.out:
-        plan.save(args.out)
+        try:
+            plan.save(args.out)
+        except OSError as error:
+            return fail(f"--out {args.out!r} cannot be written ({error.strerror or error}); the plan is printed above",
+                        1)
         print(f"wrote {args.out}")
     return 0
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated CLI list ("recompute, offload"); empty items are kept, for the planner to refuse."""
+    return tuple(name.strip() for name in text.split(","))
 
 
 def budget_arg(text: str) -> int | float:

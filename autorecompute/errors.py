@@ -1,6 +1,7 @@
 """Typed errors. Each message names the cause and the way out."""
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -24,7 +25,8 @@ class InfeasibleBudgetError(AutorecomputeError, ValueError):
         breakdown: bytes by kind at the minimum peak (parameters, buffers, inputs, gradients, activations).
     """
 
-    def __init__(self, budget: int, minimum: int, breakdown: dict[str, int], actions: tuple[str, ...]):
+    def __init__(self, budget: int, minimum: int, breakdown: dict[str, int], actions: tuple[str, ...],
+                 fraction: float | None = None, baseline: int | None = None):
         self.budget = budget
         self.minimum = minimum
         self.breakdown = dict(breakdown)
@@ -32,7 +34,11 @@ class InfeasibleBudgetError(AutorecomputeError, ValueError):
         # what the model itself holds at the end of backward, whatever the actions and the batch
         state = sum(n for kind, n in breakdown.items() if kind in _MODEL_STATE)
         fixes = [f"pass budget>={minimum}"]
-        if budget < 1024:     # budget=1 meant as "all of it"
+        if fraction is not None and baseline:      # asked as a fraction: answered as one too
+            needed = math.ceil(minimum / baseline * 1000) / 1000
+            fixes[0] += (f" (a fraction of at least {needed:g})" if needed < 1 else
+                         " (1.0: nothing goes below the unoptimized peak here)")
+        elif budget < 1024:     # budget=1 meant as "all of it"
             fixes[0] += " (an int budget is bytes: a fraction of the unoptimized peak is a float, 1.0 for all of it)"
         missing = tuple(a for a in ("recompute", "offload", "compress") if a not in actions)
         if budget < state:
@@ -43,7 +49,7 @@ class InfeasibleBudgetError(AutorecomputeError, ValueError):
                 fixes.append(f"allow more actions (e.g. actions={tuple(actions) + missing[:1]!r})")
             fixes.append("shrink the batch")
         super().__init__(
-            f"budget {format_bytes(budget)} is below the minimum peak {format_bytes(minimum)} "
+            f"budget {format_bytes(budget)}{f' ({fraction:g} of the unoptimized peak)' if fraction else ''} is below the minimum peak {format_bytes(minimum)} "
             f"({minimum} bytes) reachable with actions {actions}.\n"
             f"  The minimum peak is made of:\n{rows}\n"
             f"  Fix: {', or '.join(fixes)}.")

@@ -73,6 +73,15 @@ class NodeRecord:
     module: str
 
 
+# the kinds of Plan.to_json's fields, checked on reading (a damaged file fails there, not in str(plan))
+_JSON_KINDS = {**{name: int for name in ("budget", "predicted_peak", "baseline_peak", "minimum_peak", "model_peak",
+                                          "extra_flops", "baseline_flops", "num_forward")},
+               **{name: (int, float) for name in ("solver_time", "solver_gap", "plan_time", "extra_seconds")},
+               **{name: str for name in ("solver_status", "objective", "model_name", "signature")},
+               **{name: dict for name in ("decisions", "resident", "nodes", "timeline", "stash")},
+               **{name: list for name in ("actions", "edges", "at_peak", "region_starts", "region_remakes")}}
+
+
 @dataclass(frozen=True)
 class Plan:
     """A memory plan for one input signature of one model.
@@ -215,7 +224,7 @@ class Plan:
         if not isinstance(data, dict):
             raise ValueError(f"plan JSON must be an object (what Plan.to_json writes), got a {type(data).__name__}")
         version = data.pop("schema_version", None)
-        if version not in (1, 2, 3, 4, 5, 6, 7, SCHEMA_VERSION):
+        if isinstance(version, bool) or version not in (1, 2, 3, 4, 5, 6, 7, SCHEMA_VERSION):
             raise ValueError(f"plan JSON has schema_version {version!r}; this autorecompute reads "
                              f"1 to {SCHEMA_VERSION}")
         known = {f.name for f in fields(cls)}
@@ -224,8 +233,20 @@ class Plan:
         if missing:
             raise ValueError(f"plan JSON lacks {missing}: not a file Plan.to_json / plan.save wrote")
         data = {k: v for k, v in data.items() if k in known}
+        for name, kind in _JSON_KINDS.items():
+            if name in data and (not isinstance(data[name], kind) or isinstance(data[name], bool)):
+                raise ValueError(f"plan JSON's {name!r} is {data[name]!r}, where Plan.to_json writes "
+                                 f"{'a number' if kind == (int, float) else f'a {kind.__name__}'}: the file is damaged")
+        try:
+            return cls._from_fields(data)
+        except (KeyError, TypeError, AttributeError, ValueError) as error:
+            raise ValueError(f"plan JSON is damaged ({type(error).__name__}: {error}): not as Plan.to_json writes "
+                             "it; save the plan again") from error
+
+    @classmethod
+    def _from_fields(cls, data: dict) -> "Plan":
         data["actions"] = tuple(data.get("actions", ()))
-        data["nodes"] = {k: NodeRecord(**{**v, "shape": tuple(v["shape"])}) for k, v in data["nodes"].items()}
+        data["nodes"] = {k: NodeRecord(**{**v, "shape": tuple(v["shape"])}) for k, v in data.get("nodes", {}).items()}
         data["edges"] = tuple(tuple(e) for e in data.get("edges", ()))
         data["at_peak"] = tuple(data.get("at_peak", ()))
         data["region_starts"] = tuple(data.get("region_starts", ()))

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import math
 import numbers
+import os
 import sys
 import time
 import warnings
@@ -90,12 +91,16 @@ class PlannerOptions:
                 raise ValueError(f"compress_dtypes={self.compress_dtypes!r} must be a tuple such as ('bfloat16',)")
             bad = [d for d in self.compress_dtypes if d not in CODECS]
             if bad or not self.compress_dtypes:
-                raise ValueError(f"compress_dtypes={self.compress_dtypes!r}: unknown {bad}; accepted compress "
+                what = f"unknown {bad}" if bad else "empty (None for the default, bfloat16)"
+                raise ValueError(f"compress_dtypes={self.compress_dtypes!r}: {what}; accepted compress "
                                  f"dtypes are {tuple(CODECS)}")
             if "compress" not in self.actions:
                 raise ValueError(f"compress_dtypes={self.compress_dtypes!r} given but 'compress' is not in "
                                  f"actions={self.actions!r}: add it (compression is lossy, so it is opt-in)")
         if self.offload_dir is not None:
+            if not isinstance(self.offload_dir, (str, os.PathLike)) or not str(self.offload_dir):
+                raise ValueError(f"offload_dir={self.offload_dir!r} must be a directory's path (None: the system "
+                                 "temporary directory)")
             if "offload" not in self.actions:
                 raise ValueError(f"offload_dir={self.offload_dir!r} given but 'offload' is not in "
                                  f"actions={self.actions!r}")
@@ -107,6 +112,10 @@ class PlannerOptions:
             # infinite is refused too: the limit is also the deterministic work CP-SAT may spend, an integer
             raise ValueError(f"solver_time_limit={self.solver_time_limit!r} must be a finite number of seconds > 0 "
                              "(the best plan found by then is used: for a longer search pass more, e.g. 60)")
+
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) \
+                or not -2**31 <= self.seed < 2**31:
+            raise ValueError(f"seed={self.seed!r} must be an int that fits 32 bits (CP-SAT's random seed)")
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -313,7 +322,9 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
 
     def infeasible() -> InfeasibleBudgetError:
         peak = minimum()[1]
-        return InfeasibleBudgetError(budget_bytes, peak, _breakdown(profile, peak), options.actions)
+        return InfeasibleBudgetError(budget_bytes, peak, _breakdown(profile, peak), options.actions,
+                                     fraction=parsed if isinstance(parsed, float) else None,
+                                     baseline=baseline_peak)
 
     cost_solve_time = 0.0
 

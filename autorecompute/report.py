@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import os
 import shutil
 import subprocess
 from collections import Counter, defaultdict
@@ -250,11 +251,13 @@ SAVE_FORMATS = (".dot", ".svg", ".json", ".html", ".png")    # what :func:`save_
 
 def save_plan(plan: "Plan", path: str) -> str:
     """Writes ``plan`` in the format its suffix names (:data:`SAVE_FORMATS`)."""
+    path = os.path.expanduser(path) if isinstance(path, str) else path
     suffix = Path(path).suffix.lower()
     writers = {".dot": plan.to_dot, ".json": plan.to_json, ".svg": lambda: render_svg(plan.to_dot()),
                ".html": lambda: plan_to_html(plan)}
     if suffix not in SAVE_FORMATS:
-        raise ValueError(f"cannot save a plan as {suffix!r}: use {', '.join(SAVE_FORMATS[:-1])} or {SAVE_FORMATS[-1]}")
+        what = f"as {suffix!r}" if suffix else f"to {str(path)!r}, which has no extension"
+        raise ValueError(f"cannot save a plan {what}: use {', '.join(SAVE_FORMATS[:-1])} or {SAVE_FORMATS[-1]}")
     if suffix == ".png":
         plot_memory(plan, path)
         return path

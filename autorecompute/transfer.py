@@ -8,6 +8,8 @@ the result.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import tempfile
 import warnings
@@ -49,10 +51,16 @@ class TransferModel:
 
     def __post_init__(self):
         for name, value in asdict(self).items():
-            if isinstance(value, bool):
+            if name == "overlaps_compute":
+                if not isinstance(value, bool):
+                    raise ValueError(f"TransferModel.overlaps_compute={value!r} must be True or False")
                 continue
-            if not value >= 0 or (not name.endswith("seconds") and not value > 0):
-                raise ValueError(f"TransferModel.{name}={value!r} must be a positive number")
+            seconds = name.endswith("seconds")
+            # finite and below an hour a call: the prices become the solver's integers (cost units of FLOPs)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+                    or value < 0 or (not seconds and value == 0) or (seconds and value > 3600):
+                raise ValueError(f"TransferModel.{name}={value!r} must be a finite number "
+                                 + ("of seconds, 0 to 3600" if seconds else "> 0 (per second)"))
 
     def seconds_to_cost(self, seconds: float) -> int:
         return int(round(seconds * self.flops_per_second))
@@ -99,6 +107,7 @@ def default_for(device_type: str) -> TransferModel:
     return CUDA_HOST if device_type in ("cuda", "meta") else CPU_DISK
 
 
+MEASURE_MIN_BYTES = 1 << 20
 MEASURE_CACHE_FORMAT = 4     # the layout of measure()'s cache file (1: the bare TransferModel fields; 2: no overlap;
 #                              3: the disk tier and a matmul timed, every other figure scaled by the matmul's speed)
 
@@ -111,8 +120,9 @@ def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | N
     offload plan against the same model kept (``autorecompute.probes``, a few seconds); recomputation keeps
     the CPU defaults, fitted on whole steps of the CI machine (why: ``autorecompute/probes.py``).
 
-    The cache holds what it was measured for (this format, the torch version, the directory's disk): a cache
-    from another version, another directory or an older format is measured again, not misread.
+    The cache holds what it was measured for (this format, the torch version, the directory's disk, the
+    probe's size): a cache from another version, directory, size or an older format is measured again, not
+    misread.
 
     Example:
         >>> import autorecompute, tempfile
@@ -124,16 +134,20 @@ def measure(directory: str | None = None, nbytes: int = 64 << 20, cache: str | N
 
     from autorecompute import probes
 
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < MEASURE_MIN_BYTES:
+        # a few bytes time the call, not the disk (3 bytes read as 256 KB/s, and were cached)
+        raise ValueError(f"nbytes={nbytes!r} must be an int of at least {MEASURE_MIN_BYTES} (1 MiB): the tensor "
+                         "the disk tier is timed on")
     cache = cache or os.path.join(os.path.expanduser("~"), ".cache", "autorecompute", "transfer.json")
     measured_for = {"format": MEASURE_CACHE_FORMAT, "torch": torch.__version__,
-                    "directory": os.path.abspath(directory or tempfile.gettempdir())}
+                    "directory": os.path.abspath(directory or tempfile.gettempdir()), "nbytes": int(nbytes)}
     if os.path.exists(cache):
         try:
             with open(cache) as f:
                 saved = json.load(f)
             if saved.get("measured_for") == measured_for:
                 return TransferModel(**saved["model"])
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
             pass         # unreadable or another format: measure again
     with torch.random.fork_rng():         # a calibration leaves the caller's random stream where it was
         write, read = probes.disk_bytes_per_second(directory, nbytes)

@@ -587,6 +587,10 @@ def test_the_infeasible_budget_fix_names_only_what_can_help():
     assert "actions=('recompute', 'offload')" in str(fewer) and " or or " not in str(fewer)
     one_byte = autorecompute.InfeasibleBudgetError(1, 2600, breakdown, ("recompute",))   # budget=1 meant as "all"
     assert "an int budget is bytes: a fraction of the unoptimized peak is a float, 1.0 for all of it" in str(one_byte)
+    # asked as a fraction (0.05 of a 4000-byte peak is 200 B): answered as one, without the int-budget hint
+    fraction = autorecompute.InfeasibleBudgetError(200, 2600, breakdown, ("recompute",), fraction=0.05, baseline=4000)
+    assert "budget 200 B (0.05 of the unoptimized peak)" in str(fraction)
+    assert "pass budget>=2600 (a fraction of at least 0.65)" in str(fraction) and "int budget" not in str(fraction)
 
 
 def test_a_fraction_of_a_model_that_checkpoints_itself_warns():

@@ -65,3 +65,64 @@ def test_a_solver_time_limit_must_be_a_finite_number_of_seconds(limit):
     import torch
     with pytest.raises(ValueError, match="finite number of seconds > 0"):
         autorecompute.compile(torch.nn.Linear(2, 2), budget="1GB", solver_time_limit=limit)
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"seed": "a"}, "seed='a' must be an int"), ({"seed": 2**70}, "fits 32 bits"), ({"seed": True}, "seed=True"),
+    ({"actions": None}, "actions=None must be a tuple of names"),
+    ({"actions": ("compress",), "compress_dtypes": "torch.bfloat16"}, "must be a tuple such as"),
+    ({"actions": ("compress",), "compress_dtypes": ()}, "empty (None for the default, bfloat16)"),
+    ({"offload_dir": 1}, "must be a directory's path"), ({"offload_dir": ""}, "must be a directory's path"),
+])
+def test_planner_options_of_the_wrong_kind_are_explained(options, says):
+    """Each reached the planner before (a raw pybind TypeError from CP-SAT's seed, 'not iterable', or an empty
+    offload_dir checked in the working directory and then unused)."""
+    import torch
+    with pytest.raises(ValueError, match=re.escape(says)):
+        autorecompute.compile(torch.nn.Linear(2, 2), budget="1GB", **options)
+
+
+@pytest.mark.parametrize("model", [None, "torch.nn.Linear", lambda x: x])
+def test_compiling_what_is_not_a_module_instance_is_explained(model):
+    import torch
+    model = torch.nn.Linear if model == "torch.nn.Linear" else model
+    with pytest.raises(TypeError, match="plans a torch.nn.Module instance"):
+        autorecompute.compile(model, budget="1GB")
+
+
+@pytest.mark.parametrize("field, value", [("flops_per_second", float("inf")), ("op_seconds", 1e300),
+                                          ("flops_per_second", "1e9"), ("overlaps_compute", "no")])
+def test_a_transfer_model_that_cannot_be_priced_is_refused(field, value):
+    """An infinite or absurd figure made planning fail with a raw OverflowError at the first step."""
+    from dataclasses import replace
+
+    from autorecompute.transfer import CPU_DISK
+    with pytest.raises(ValueError, match=f"TransferModel.{field}="):
+        replace(CPU_DISK, **{field: value})
+
+
+def test_a_misspelled_planner_option_is_told_not_handed_to_the_model():
+    """``plan()`` hands keywords that are not its options to ``forward``: a typo of an option was a capture
+    error about tracing, or silently the model's when its forward takes ``**kwargs``."""
+    import warnings
+
+    import torch
+
+    class TakesAny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x, **extra):
+            return self.linear(x)
+
+    x = torch.randn(2, 4)
+    with pytest.raises(TypeError, match=r"solver_timelimit= is neither.*Did you mean solver_time_limit="):
+        autorecompute.plan(torch.nn.Linear(4, 4), x, budget=1.0, solver_timelimit=1)
+    with pytest.raises(TypeError, match=r"Did you mean actions= \(an option of autorecompute.minimum_peak\)"):
+        autorecompute.minimum_peak(torch.nn.Linear(4, 4), x, action=("recompute",))
+    with pytest.warns(UserWarning, match=r"objetive= goes to TakesAny.forward.*Did you mean objective="):
+        autorecompute.plan(TakesAny(), x, budget=1.0, solver_time_limit=0.5, objetive="flops")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")         # a keyword of the model's own is not told
+        autorecompute.plan(TakesAny(), x, budget=1.0, solver_time_limit=0.5, scale=2.0)

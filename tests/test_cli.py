@@ -87,6 +87,9 @@ def test_plan_command_actions_and_bad_dtype(user_models, capsys):
     (["plan", "no_such_module:make", "--budget", "0.8"], "cannot load 'no_such_module:make'"),
     (["plan", "user_models_broken:broken", "--budget", "0.8"], "user_models_broken:broken() raised RuntimeError: boom"),
     (["plan", "user_models:make", "--budget", "0.8", "--input-shape", "512x256"], "expected comma-separated"),
+    (["plan", "user_models:make", "--budget", "0.8", "--input-shape=-1,64"], "positive sizes"),
+    (["plan", "user_models:make", "--budget", "0.8", "--input-shape", ""], "positive sizes"),   # not ignored
+    (["plan", ":make", "--budget", "0.8"], "expected MODULE:FACTORY"),
     (["plan", "user_models:make", "--budget", "0.8", "--out", "plan.pdf"], "a plan is saved as"),
     (["plan", "user_models:make", "--budget", "0.8", "--out", "no/such/dir/plan.json"], "does not exist"),
     (["plan", "user_models_odd:three", "--budget", "0.8"], "returned a tuple of 3"),
@@ -100,6 +103,15 @@ def test_plan_command_errors_are_one_line(user_models, capsys, argv, says):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and says in err and "Traceback" not in err
+
+
+def test_an_out_path_that_cannot_be_written_is_an_error_line_after_the_plan(user_models, capsys):
+    (user_models / "taken.json").mkdir()         # a directory where the file would go
+    assert main(["plan", "user_models:make", "--budget", "1.0", "--solver-time-limit", "0.5",
+                 "--out", "taken.json", "--actions", "recompute, offload"]) == 1
+    captured = capsys.readouterr()
+    assert "autorecompute plan for" in captured.out
+    assert captured.err.startswith("error: --out 'taken.json' cannot be written") and "Traceback" not in captured.err
 
 
 def test_an_uncapturable_model_is_an_error_line_not_a_traceback(user_models, capsys):

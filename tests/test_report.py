@@ -105,9 +105,14 @@ def test_repr_is_one_line_naming_the_step_and_its_outcome(plan):
     assert f"{plan.count('recompute')} of {len(plan.decisions)} ops recomputed" in text
 
 
-def test_saving_an_unknown_format_is_an_error(plan, tmp_path):
+def test_saving_an_unknown_format_is_an_error(plan, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"\.dot, \.svg, \.json, \.html or \.png"):
         plan.save(str(tmp_path / "plan.pdf"))
+    with pytest.raises(ValueError, match=r"'.*out', which has no extension"):
+        plan.save(str(tmp_path / "out"))
+    monkeypatch.setenv("HOME", str(tmp_path))        # "~" is the home directory, as in a shell
+    plan.save("~/plan.json")
+    assert (tmp_path / "plan.json").exists()
 
 
 def test_an_offload_only_plan_reports_what_it_moves():
@@ -203,3 +208,25 @@ def test_the_plan_says_the_extra_time_its_cost_model_prices(objective):
     old.pop("extra_seconds")
     old["schema_version"] = 7
     assert Plan.from_json(json.dumps(old)) == dataclasses.replace(plan, extra_seconds=0.0)
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: d.pop("nodes"), lambda d: d.update(nodes=None), lambda d: d.update(stash=[]),
+    lambda d: d.update(actions="recompute"), lambda d: d.update(budget="12MB"), lambda d: d.update(decisions=[]),
+    lambda d: d.update(schema_version=True), lambda d: d.update(edges=None),
+    lambda d: next(iter(d["nodes"].values())).pop("shape"),
+    lambda d: next(iter(d["nodes"].values())).update(an_extra_key=1),
+])
+def test_a_damaged_plan_file_is_refused_on_reading(plan, damage):
+    """Read back, a damaged file raised KeyError/AttributeError/TypeError, or loaded and failed later in
+    ``str(plan)`` (a budget of "12MB", decisions as a list), or turned "recompute" into its letters. A file
+    without ``nodes`` (which has a default) reads."""
+    data = json.loads(plan.to_json())
+    assert Plan.from_json(json.dumps(data)) == plan
+    damage(data)
+    try:
+        read = Plan.from_json(json.dumps(data))
+    except ValueError as error:
+        assert "plan JSON" in str(error)
+        return
+    assert "nodes" not in data and str(read) and read.nodes == {}

@@ -62,3 +62,17 @@ def test_an_unwritable_cache_returns_the_figures_with_a_warning(quick_probes, tm
     with pytest.warns(UserWarning, match=r"cannot be written.*Fix: pass cache="):
         model = measure(str(tmp_path), nbytes=1 << 20, cache=str(cache))
     assert isinstance(model, TransferModel) and model.write_bytes_per_second > 0
+
+
+def test_a_probe_too_small_to_time_the_disk_is_refused_and_the_size_keys_the_cache(quick_probes, tmp_path):
+    """``nbytes=3`` timed the call, not the disk (256 KB/s), and was cached for every later size."""
+    cache = tmp_path / "transfer.json"
+    for nbytes in (3, 0, -1, 1.5e6, "64MB"):
+        with pytest.raises(ValueError, match="nbytes=.* must be an int of at least"):
+            measure(str(tmp_path), nbytes=nbytes, cache=str(cache))
+    measure(str(tmp_path), nbytes=1 << 20, cache=str(cache))
+    saved = json.loads(cache.read_text())
+    saved["model"]["flops_per_second"] = 1.0                    # marks the saved numbers
+    cache.write_text(json.dumps(saved))
+    assert measure(str(tmp_path), nbytes=1 << 20, cache=str(cache)).flops_per_second == 1.0
+    assert measure(str(tmp_path), nbytes=2 << 20, cache=str(cache)).flops_per_second > 1.0
