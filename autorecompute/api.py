@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from autorecompute.budget import format_bytes, parse_budget
 from autorecompute.errors import (InfeasibleBudgetError, OverlappingStepsWarning, PartialBackwardWarning,
-                                  ReplanningWarning, SolverError, user_location, user_stacklevel)
+                                  ReplanningWarning, user_location, user_stacklevel)
 from autorecompute.passes.capture import callers_autocast
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
@@ -549,9 +549,13 @@ def _names(value, argument: str, example: str):
     """A tuple of the names given (a bare string is left for PlannerOptions to explain)."""
     if isinstance(value, str):
         return value
-    if isinstance(value, (tuple, list, set, frozenset)) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise ValueError(f"{argument}={value!r} must be a tuple of names such as {example}")
+    try:
+        names = tuple(sorted(value) if isinstance(value, (set, frozenset)) else value)   # (a set in a fixed order)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(v, str) for v in names):
+        raise ValueError(f"{argument}={value!r} must be a tuple of names such as {example}")
+    return tuple(str(v) for v in names)
 
 
 def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple[str, ...] = DEFAULT_ACTIONS,
@@ -766,6 +770,11 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
     _check_model_keywords(model, kwargs, plan)
     _warn_if_checkpointing_itself(model, parse_budget(budget))
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
+    return _plan(model, args, kwargs, budget, options)
+
+
+def _plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options: PlannerOptions) -> Plan:
+    """:func:`plan` once its arguments are checked (every keyword in ``kwargs`` is the model's)."""
     kwargs = _without_cache(model, kwargs)
     planned: Planned = make_plan(model, args, kwargs, budget, options, step_signature(model, args, kwargs))
     return planned.plan
@@ -795,11 +804,12 @@ def minimum_peak(model: torch.nn.Module, *args, actions: tuple[str, ...] = DEFAU
         >>> p.predicted_peak <= low
         True
     """
-    _check_model_keywords(_original(model), kwargs, minimum_peak)
+    model = _original(model)
+    _check_model_keywords(model, kwargs, minimum_peak)
+    options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, "time")
     try:
         # a 1-byte budget is below any step's: the planner searches its lowest peak, then says what it is
-        plan(model, *args, budget=1, actions=actions, compress_dtypes=compress_dtypes, offload_dir=offload_dir,
-             transfer=transfer, solver_time_limit=solver_time_limit, seed=seed, **kwargs)
+        met = _plan(model, args, kwargs, 1, options)
     except InfeasibleBudgetError as error:
         return error.minimum
-    raise SolverError("a plan met a 1-byte budget: please report this bug")
+    return met.predicted_peak        # a step that holds nothing (no parameters, an empty batch)

@@ -35,8 +35,8 @@ class InfeasibleBudgetError(AutorecomputeError, ValueError):
         state = sum(n for kind, n in breakdown.items() if kind in _MODEL_STATE)
         fixes = [f"pass budget>={minimum}"]
         if fraction is not None and baseline:      # asked as a fraction: answered as one too
-            needed = math.ceil(minimum / baseline * 1000) / 1000
-            fixes[0] += (f" (a fraction of at least {needed:g})" if needed < 1 else
+            needed = least_fraction(minimum, baseline)
+            fixes[0] += (f" (a fraction of at least {needed!r})" if needed < 1 else
                          " (1.0: nothing goes below the unoptimized peak here)")
         elif budget < 1024:     # budget=1 meant as "all of it"
             fixes[0] += " (an int budget is bytes: a fraction of the unoptimized peak is a float, 1.0 for all of it)"
@@ -53,6 +53,25 @@ class InfeasibleBudgetError(AutorecomputeError, ValueError):
             f"({minimum} bytes) reachable with actions {actions}.\n"
             f"  The minimum peak is made of:\n{rows}\n"
             f"  Fix: {', or '.join(fixes)}.")
+        self._arguments = (budget, minimum, breakdown, actions, fraction, baseline)
+
+    def __reduce__(self):       # (pickled across processes: a DataLoader worker's, multiprocessing's)
+        return type(self), self._arguments
+
+
+def least_fraction(minimum: int, baseline: int) -> float:
+    """The shortest decimal fraction ``f`` whose budget, ``int(f * baseline)`` as the planner reads it, is at
+    least ``minimum`` (1.0 when nothing is below the baseline)."""
+    if minimum >= baseline:
+        return 1.0
+    for digits in range(3, 10):
+        scale = 10 ** digits
+        needed = math.ceil(minimum / baseline * scale) / scale
+        while int(needed * baseline) < minimum:        # (the float product can land a byte short)
+            needed = round(needed + 1 / scale, digits)
+        if needed < 1:
+            return needed
+    return 1.0
 
 
 _MODEL_STATE = ("parameters", "buffers", "gradients", "new gradients")

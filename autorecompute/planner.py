@@ -21,6 +21,7 @@ from typing import Iterator
 
 import torch
 import torch.fx
+from torch.utils._pytree import tree_map_only
 
 from autorecompute.budget import parse_budget, resolve_budget
 from autorecompute.errors import InfeasibleBudgetError, user_stacklevel
@@ -116,6 +117,7 @@ class PlannerOptions:
         if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) \
                 or not -2**31 <= self.seed < 2**31:
             raise ValueError(f"seed={self.seed!r} must be an int that fits 32 bits (CP-SAT's random seed)")
+        object.__setattr__(self, "seed", int(self.seed))      # a numpy int too (random.Random takes no other)
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -189,8 +191,26 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
     A plan is for a training step whatever the caller's grad mode: under ``torch.no_grad()`` (a ``prepare``
     or ``plan`` call beside evaluation code) the capture would save nothing for backward, and that plan,
     kept for these inputs, would be the training step's (1.17 MB measured against a 1 MB budget)."""
-    with _unseen_by_callers_modes(), torch.inference_mode(False), torch.enable_grad():
+    with _unseen_by_callers_modes(), _unseen_by_callers_hooks(), torch.inference_mode(False), torch.enable_grad():
+        # inputs made under inference_mode cannot be saved for backward: planned on ordinary copies, as the
+        # training step's inputs will be
+        args, kwargs = tree_map_only(
+            torch.Tensor, lambda t: t.clone() if t.is_inference() else t, (args, kwargs))
         return _make_plan(model, args, kwargs, budget, options, signature)
+
+
+def _unseen_by_callers_hooks() -> contextlib.AbstractContextManager:
+    """Planning's fake steps out of the caller's saved-tensor hooks: ``torch.utils.checkpoint`` around a
+    compiled module counted them among what its forward saved, and its recomputation (which finds the plan
+    made) saved fewer: ``CheckpointError``. Only the innermost hooks pack, so identity hooks shield them."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)   # (what checkpoint.py reads)
+    if top is not None and top(False) is None:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 @contextlib.contextmanager
@@ -306,11 +326,11 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     def minimum() -> tuple[torch.nn.Module, int, Decisions]:
         """The lowest measured minimum-peak plan; the plans found since the last call (the latest and those
         it replaced) are verified when a decision first needs the minimum."""
-        if not lowest["verified"]:
+        if not lowest["verified"] or replaced_unverified:
             # the plans it replaced too: a fake step each (well under a second on the benchmark models), and
             # plans equal in the model can differ when measured (VGG with offload: 3.98, 4.17 and 4.50 MB at
             # one model peak of 4.50 MB)
-            for decisions in [lowest["decisions"], *replaced_unverified]:
+            for decisions in [*([] if lowest["verified"] else [lowest["decisions"]]), *replaced_unverified]:
                 model_peak = predicted_peak(problem, *decisions)
                 module, peak = verify(decisions) if model_peak < baseline_peak else (gm, baseline_peak)
                 verified_minimum.append((module, peak, decisions) if peak < baseline_peak else
@@ -401,7 +421,11 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
             log.debug("cost solve under %d: %s, model peak %d, verified %d", internal, status, model_peak,
                       candidate_peak)
             if model_peak < lowest["peak"]:
-                # below the minimum-peak solve's best (it had less time): the lowest plan known now
+                # below the minimum-peak solve's best (it had less time): the lowest plan known now; the one it
+                # replaces, if not verified yet, is verified with the next (lower in the model is not lower
+                # measured: a minimum_peak() answer given as the budget was refused without it)
+                if not lowest["verified"]:
+                    replaced_unverified.append(lowest["decisions"])
                 lowest.update(decisions=best, peak=model_peak, status="feasible", verified=True)
                 verified_minimum.append((candidate, candidate_peak, best))
             if candidate_peak <= budget_bytes:

@@ -58,9 +58,9 @@ class TransferModel:
             seconds = name.endswith("seconds")
             # finite and below an hour a call: the prices become the solver's integers (cost units of FLOPs)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-                    or value < 0 or (not seconds and value == 0) or (seconds and value > 3600):
+                    or value < 0 or (not seconds and value < 1) or (seconds and value > 3600):
                 raise ValueError(f"TransferModel.{name}={value!r} must be a finite number "
-                                 + ("of seconds, 0 to 3600" if seconds else "> 0 (per second)"))
+                                 + ("of seconds, 0 to 3600" if seconds else "of at least 1 (per second)"))
 
     def seconds_to_cost(self, seconds: float) -> int:
         return int(round(seconds * self.flops_per_second))

@@ -11,7 +11,7 @@ import operator
 import torch
 import torch.fx
 
-from autorecompute.passes.capture import is_mutating, read_before_written, written_in_place
+from autorecompute.passes.capture import is_mutating, read_before_written, subgraphs_mutate, written_in_place
 from autorecompute.passes.profile import META_KEY, NodeInfo, TensorInfo, module_path, node_info, step_profile
 from autorecompute.problem import GRADIENT, Activation, Problem, StashOption
 from autorecompute.runtime.codecs import codec
@@ -65,23 +65,9 @@ def updates_state(node: torch.fx.Node) -> bool:
                  for i, a in enumerate(arguments)}
         return bound["running_mean"] is not None and bool(bound[arguments[5].name])
     if isinstance(node.target, torch._ops.HigherOrderOperator):
-        return _subgraphs_mutate(node)
+        return subgraphs_mutate(node)
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-
-
-def _subgraphs_mutate(node: torch.fx.Node) -> bool:
-    """Whether a higher-order op's subgraphs write a tensor in place (``wrap_with_set_grad_enabled`` around
-    spectral norm's power iteration, which updates its ``_u``/``_v`` buffers with ``out=``)."""
-    owner = node.graph.owning_module
-    for arg in node.args:
-        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and owner is not None:
-            sub = getattr(owner, arg.target, None)
-            if isinstance(sub, torch.fx.GraphModule) and any(
-                    is_mutating(n) or (isinstance(n.target, torch._ops.HigherOrderOperator) and _subgraphs_mutate(n))
-                    for n in sub.graph.nodes if n.op == "call_function"):
-                return True
-    return False
 
 
 def recompute_cost(node: torch.fx.Node, written: int, device: TransferModel) -> int:

@@ -534,6 +534,20 @@ def written_in_place(graph: torch.fx.Graph) -> set[str]:
     return written
 
 
+def subgraphs_mutate(node: torch.fx.Node) -> bool:
+    """Whether a higher-order op's subgraphs write a tensor in place (``wrap_with_set_grad_enabled`` around
+    spectral norm's power iteration, which updates its ``_u``/``_v`` buffers with ``out=``)."""
+    owner = node.graph.owning_module
+    for arg in node.args:
+        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and owner is not None:
+            sub = getattr(owner, arg.target, None)
+            if isinstance(sub, torch.fx.GraphModule) and any(
+                    is_mutating(n) or (isinstance(n.target, torch._ops.HigherOrderOperator) and subgraphs_mutate(n))
+                    for n in sub.graph.nodes if n.op == "call_function"):
+                return True
+    return False
+
+
 def read_before_written(graph: torch.fx.Graph) -> set[str]:
     """Ops that read a tensor (or a view of it) which a later op writes in place — an activation's slice
     assigned (``a[:, :4] = tanh(a[:, :4])``), a buffer the forward updates (spectral norm's power iteration):
@@ -553,7 +567,27 @@ def read_before_written(graph: torch.fx.Graph) -> set[str]:
             for alias in sharing.get(_storage_root(value), ()):
                 found.update(reader.name for reader in alias.users
                              if reader is not node and reader.op == "call_function" and order[reader] < order[node])
-    return found
+    return found | _read_before_subgraph_writes(graph, order)
+
+
+def _read_before_subgraph_writes(graph: torch.fx.Graph, order: dict) -> set[str]:
+    """What :func:`read_before_written` finds for writes inside a higher-order op's subgraph (statistics a
+    forward updates in place under ``torch.no_grad()``: an EMA buffer read, then written): ops reading a buffer,
+    an operand of such an op or one of its results (the buffers' new values) before the last such op. Which
+    of them a subgraph writes is not traced through: all are taken, as only models updating state do this."""
+    writers = [node for node in graph.nodes if node.op == "call_function"
+               and isinstance(node.target, torch._ops.HigherOrderOperator) and subgraphs_mutate(node)]
+    if not writers:
+        return set()
+    last = max(order[node] for node in writers)
+    owner = graph.owning_module
+    buffers = {name for name, _ in owner.named_buffers()} if owner is not None else set()
+    suspects = [node for node in graph.nodes if node.op == "get_attr" and node.target in buffers]
+    for writer in writers:
+        suspects += [arg for arg in writer.args if isinstance(arg, torch.fx.Node) and arg.op != "get_attr"]
+        suspects += [user for user in writer.users if user.target is operator.getitem]
+    return {reader.name for value in suspects for reader in value.users
+            if reader.op == "call_function" and reader not in writers and order[reader] < last}
 
 
 def _fills_fresh_tensor_with_bernoulli(node: torch.fx.Node) -> bool:

@@ -121,8 +121,50 @@ def test_a_misspelled_planner_option_is_told_not_handed_to_the_model():
         autorecompute.plan(torch.nn.Linear(4, 4), x, budget=1.0, solver_timelimit=1)
     with pytest.raises(TypeError, match=r"Did you mean actions= \(an option of autorecompute.minimum_peak\)"):
         autorecompute.minimum_peak(torch.nn.Linear(4, 4), x, action=("recompute",))
+    with pytest.warns(UserWarning) as told:      # told once, by minimum_peak (which does not call plan())
+        autorecompute.minimum_peak(TakesAny(), x, solver_time_limit=0.5, seeds=1)
+    assert len(told) == 1 and "autorecompute.minimum_peak" in str(told[0].message)
+    # plan()'s own options that minimum_peak has not are the model's there, as any other keyword
+    assert autorecompute.minimum_peak(TakesAny(), x, solver_time_limit=0.5, budget=1.0, objective="flops") > 0
     with pytest.warns(UserWarning, match=r"objetive= goes to TakesAny.forward.*Did you mean objective="):
         autorecompute.plan(TakesAny(), x, budget=1.0, solver_time_limit=0.5, objetive="flops")
     with warnings.catch_warnings():
         warnings.simplefilter("error")         # a keyword of the model's own is not told
         autorecompute.plan(TakesAny(), x, budget=1.0, solver_time_limit=0.5, scale=2.0)
+
+
+def test_accepted_kinds_of_seed_and_action_lists():
+    """A numpy int seed passed the check and failed in random.Random; any iterable of names is a list of
+    actions (a set in a fixed order)."""
+    import numpy as np
+    import torch
+
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)])
+    x = torch.randn(256, 64)
+    made = autorecompute.plan(model, x, budget=0.9, seed=np.int64(3), actions=np.array(["offload", "recompute"]),
+                              solver_time_limit=0.5)
+    assert made.actions == ("offload", "recompute")
+    assert autorecompute.plan(model, x, budget=0.9, actions={"recompute", "offload"}, solver_time_limit=0.5).actions \
+        == ("offload", "recompute")
+
+
+def test_a_fraction_answer_is_one_the_planner_reads_as_enough():
+    """``int(f * baseline)`` is how a fraction becomes bytes: the fraction named in the error reaches the
+    minimum (rounded up to 3 decimals it could land a byte short), and 1.0 is said only when nothing is
+    below the baseline."""
+    import pickle
+    import random
+
+    from autorecompute.errors import least_fraction
+    assert least_fraction(7_306_181_600, 8_964_640_000) == 0.816           # 0.815 reads as 7 306 181 599 B
+    assert least_fraction(999_500, 1_000_000) == 0.9995 and least_fraction(5, 4) == 1.0
+    rng = random.Random(0)
+    for _ in range(20_000):
+        baseline = rng.randint(1_000, 10**10)
+        minimum = rng.randint(1, baseline - 1)
+        fraction = least_fraction(minimum, baseline)
+        assert fraction < 1 and int(fraction * baseline) >= minimum
+    error = autorecompute.InfeasibleBudgetError(200, 2600, {"parameters": 1}, ("recompute",), fraction=0.05,
+                                                baseline=4000)
+    copied = pickle.loads(pickle.dumps(error))          # (across processes: a DataLoader worker's)
+    assert str(copied) == str(error) and copied.minimum == 2600
