@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -89,6 +90,8 @@ def plan_command(args: argparse.Namespace) -> int:
         print(f"error: {message}", file=sys.stderr)
         return code
 
+    if args.out:
+        args.out = os.path.expanduser(args.out)        # (quoted, "~" reaches us unexpanded)
     module_name, _, factory_name = args.factory.partition(":")
     if not module_name or not factory_name:
         return fail(f"expected MODULE:FACTORY, got {args.factory!r}")

@@ -73,13 +73,15 @@ class NodeRecord:
     module: str
 
 
-# the kinds of Plan.to_json's fields, checked on reading (a damaged file fails there, not in str(plan))
+# the kinds of Plan.to_json's top-level fields, checked on reading (a damaged file fails there rather than in
+# str(plan); what is inside a field is not checked)
 _JSON_KINDS = {**{name: int for name in ("budget", "predicted_peak", "baseline_peak", "minimum_peak", "model_peak",
                                           "extra_flops", "baseline_flops", "num_forward")},
                **{name: (int, float) for name in ("solver_time", "solver_gap", "plan_time", "extra_seconds")},
                **{name: str for name in ("solver_status", "objective", "model_name", "signature")},
                **{name: dict for name in ("decisions", "resident", "nodes", "timeline", "stash")},
                **{name: list for name in ("actions", "edges", "at_peak", "region_starts", "region_remakes")}}
+_KIND_NAMES = {int: "an int", (int, float): "a number", str: "a string", dict: "an object", list: "a list"}
 
 
 @dataclass(frozen=True)
@@ -236,7 +238,7 @@ class Plan:
         for name, kind in _JSON_KINDS.items():
             if name in data and (not isinstance(data[name], kind) or isinstance(data[name], bool)):
                 raise ValueError(f"plan JSON's {name!r} is {data[name]!r}, where Plan.to_json writes "
-                                 f"{'a number' if kind == (int, float) else f'a {kind.__name__}'}: the file is damaged")
+                                 f"{_KIND_NAMES.get(kind, kind)}: the file is damaged")
         try:
             return cls._from_fields(data)
         except (KeyError, TypeError, AttributeError, ValueError) as error:

@@ -251,7 +251,7 @@ SAVE_FORMATS = (".dot", ".svg", ".json", ".html", ".png")    # what :func:`save_
 
 def save_plan(plan: "Plan", path: str) -> str:
     """Writes ``plan`` in the format its suffix names (:data:`SAVE_FORMATS`)."""
-    path = os.path.expanduser(path) if isinstance(path, str) else path
+    path = os.path.expanduser(path) if isinstance(path, (str, os.PathLike)) else path
     suffix = Path(path).suffix.lower()
     writers = {".dot": plan.to_dot, ".json": plan.to_json, ".svg": lambda: render_svg(plan.to_dot()),
                ".html": lambda: plan_to_html(plan)}
