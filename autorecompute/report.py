@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import html
+import importlib.util
 import io
 import os
 import shutil
@@ -144,14 +145,9 @@ def _unit(nbytes: float) -> tuple[float, str]:
 
 def plot_memory(plan: "Plan", path: str | None = None, ax=None):
     """Memory over the step (forward, then backward), stacked by kind, with budget, peak and the
-    unoptimized step for comparison. Returns the Axes; saves a PNG to ``path`` when given."""
-    try:
-        import matplotlib
-        if ax is None:
-            matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError("plot_memory needs matplotlib: pip install 'autorecompute[plot]'") from exc
+    unoptimized step for comparison. Returns the Axes; saves a PNG to ``path`` when given (drawn off screen:
+    the caller's matplotlib backend and figures are left as they were), else draws a pyplot figure."""
+    _require_matplotlib()
     t = plan.timeline
     if not t:
         raise ValueError("this plan has no timeline (made by an older autorecompute): plan again")
@@ -162,8 +158,11 @@ def plot_memory(plan: "Plan", path: str | None = None, ax=None):
     held = [v / scale for v in t["held"]]
     recomputed = [v / scale for v in t["recomputed"]]
     stashed = [v / scale for v in t.get("stashed") or [0] * len(xs)]
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(10, 4.8), dpi=120)
+    if ax is None and path:
+        ax = _offscreen_axes()
+    elif ax is None:
+        import matplotlib.pyplot as plt
+        ax = plt.subplots(figsize=FIGURE_SIZE, dpi=FIGURE_DPI)[1]
     ax.stackplot(xs, resident, other, held, recomputed, stashed,
                  colors=["#cccccc", "#e0e0e0", COLORS["keep"], COLORS["recompute"], COLORS["compress"]],
                  labels=["parameters, buffers, inputs", "gradients, temporaries, live activations",
@@ -198,8 +197,26 @@ def plot_memory(plan: "Plan", path: str | None = None, ax=None):
     if path:
         ax.figure.tight_layout()
         ax.figure.savefig(path)
-        plt.close(ax.figure)
     return ax
+
+
+FIGURE_SIZE, FIGURE_DPI = (10, 4.8), 120
+
+
+def _require_matplotlib() -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ImportError("plot_memory needs matplotlib: pip install 'autorecompute[plot]'")
+
+
+def _offscreen_axes():
+    """Axes of a figure pyplot does not manage, drawn by Agg: saving a plan neither switches the caller's
+    backend (it called ``matplotlib.use("Agg")``) nor leaves a figure open."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=FIGURE_SIZE, dpi=FIGURE_DPI)
+    FigureCanvasAgg(figure)
+    return figure.add_subplot()
 
 
 def plan_to_html(plan: "Plan") -> str:
@@ -212,11 +229,10 @@ def plan_to_html(plan: "Plan") -> str:
              f"<pre>{html.escape(plan.summary())}</pre>"]
     try:
         buffer = io.BytesIO()
-        ax = plot_memory(plan)
+        _require_matplotlib()
+        ax = plot_memory(plan, ax=_offscreen_axes())
         ax.figure.tight_layout()
         ax.figure.savefig(buffer, format="png")
-        import matplotlib.pyplot as plt
-        plt.close(ax.figure)
         parts.append("<h2>Memory over the step</h2><img alt='timeline' src='data:image/png;base64,"
                      + base64.b64encode(buffer.getvalue()).decode() + "'>")
     except ImportError as exc:

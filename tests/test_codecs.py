@@ -31,12 +31,56 @@ def test_round_trip_error_and_stored_bytes(name, shape):
 
 @pytest.mark.parametrize("name", ["float8", "int8"])
 def test_one_infinite_value_does_not_poison_the_rest(name):
+    """...and comes back not finite (NaN): saturated to a finite value, it hid a divergence from NaN checks
+    and GradScaler (gradients 3443.7 where eager's were inf)."""
     x = torch.randn(16, 32)
-    x[0, 0] = float("inf")
+    x[0, 0], x[3, 5], x[7, 1] = float("inf"), -float("inf"), float("nan")
     y = CODECS[name].decode(CODECS[name].encode(x), x.dtype)
     finite = torch.isfinite(x)
-    assert not torch.isnan(y[finite]).any()
+    assert not torch.isnan(y[finite]).any() and torch.isnan(y[~finite]).all()
     assert (y - x)[finite].abs().max() < 0.2
+    alone = torch.full((4, 4), float("inf"))        # a channel with nothing finite
+    assert torch.isnan(CODECS[name].decode(CODECS[name].encode(alone), alone.dtype)).all()
+
+
+@pytest.mark.parametrize("name", ["float8", "int8"])
+def test_tiny_values_keep_the_error_bound(name):
+    """The scale had a floor of 1e-30: values near it came back with 100% error."""
+    x = torch.randn(16, 32) * 1e-30
+    y = CODECS[name].decode(CODECS[name].encode(x), x.dtype)
+    assert ((y - x).abs().max() / x.abs().max()) < 0.07
+
+
+def test_int8_keeps_a_scale_per_channel_of_a_channels_last_activation():
+    """A channels-last activation was encoded as its flat storage, with one scale for every channel: the
+    channels 600 times smaller than the first came back as zeros (gradients 100% off). Encoded in memory order
+    with the channel found there, each keeps its own scale, as for a contiguous one."""
+    import autorecompute
+    from harness import measured_step
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shift = torch.nn.Parameter(torch.zeros(1, 8, 1, 1))
+            self.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(1, 8, 1, 1)) for _ in range(6)])
+
+        def forward(self, x):
+            y = x + self.shift
+            for w in self.ws:
+                y = torch.tanh(y * w)
+            return y.sum()
+
+    torch.manual_seed(0)
+    x = (torch.rand(16, 8, 32, 32) + 0.5) * torch.tensor([30.0] + [0.05] * 7).view(1, 8, 1, 1)
+    for layout in (torch.contiguous_format, torch.channels_last):
+        model, x = Scaled(), x.contiguous(memory_format=layout)
+        eager = measured_step(model, model, (x,), {}, seed=1)
+        options = dict(actions=("compress",), compress_dtypes=("int8",), solver_time_limit=1.0)
+        compiled = autorecompute.compile(model, budget=autorecompute.minimum_peak(model, x, **options), **options)
+        result = measured_step(compiled, model, (x,), {}, seed=1)
+        assert compiled.plan.count("compress") > 0 and result.peak <= compiled.plan.budget
+        got, expected = result.grads["ws.0"].flatten()[1:], eager.grads["ws.0"].flatten()[1:]
+        assert ((got - expected).abs() / expected.abs()).max() < 1e-3, layout
 
 
 @pytest.mark.parametrize("name", ["float8", "int8"])

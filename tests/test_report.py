@@ -230,3 +230,22 @@ def test_a_damaged_plan_file_is_refused_on_reading(plan, damage):
         assert "plan JSON" in str(error)
         return
     assert "nodes" not in data and str(read) and read.nodes == {}
+
+
+def test_saving_a_plan_leaves_the_callers_matplotlib_as_it_was(plan, tmp_path):
+    """``save(".png")`` and ``.html`` called ``matplotlib.use("Agg")``: a notebook's inline backend was
+    switched under it. They draw off screen now, leaving the backend and pyplot's figures alone."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")          # any backend but Agg (non-interactive: runs headless)
+    try:
+        figures = plt.get_fignums()
+        plan.save(str(tmp_path / "plan.png"))
+        plan.save(str(tmp_path / "plan.html"))
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == figures
+        assert (tmp_path / "plan.png").stat().st_size > 10_000 and "image/png" in (tmp_path / "plan.html").read_text()
+    finally:
+        matplotlib.use(before)

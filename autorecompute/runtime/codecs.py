@@ -16,10 +16,12 @@ int8       int8                     one per channel (amax / 127) absolute ≤ am
 ========== ======================== ============================ =========================================
 
 The int8 channel is dim 1 of an image (N, C, H, W), else the last dimension (features); tensors below 2-D
-get one scale.
+get one scale. Scales come from the finite values; an inf or NaN comes back as NaN (int8 stores it as -128,
+outside the ±127 of finite values; e4m3fn has a NaN), not saturated to a finite value.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -41,7 +43,7 @@ class Codec:
     name: str
     itemsize: int
     expected_error: str
-    encode: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    encode: Callable[..., tuple[torch.Tensor, ...]]       # (tensor, channel=None for the cast codecs' none)
     decode: Callable[[tuple[torch.Tensor, ...], torch.dtype], torch.Tensor]
 
     def stored_bytes(self, shape: tuple[int, ...]) -> int:
@@ -58,8 +60,8 @@ class Codec:
         """Device bytes the codec's temporaries add while it (encodes, decodes) a ``dtype`` tensor of ``shape``,
         beside the tensors it reads and writes: none for a cast; for a scaled codec, float32 chunks of
         :func:`chunk_elements` elements — encode: a float32 copy (unless already float32) and the scaled
-        values, or the scaled values and their stored cast; decode: the float32 values and their product with
-        the scale, or the product and its cast back. Measured by ``tests/test_codecs.py``."""
+        values, or the scaled values and their stored cast; decode: the float32 values, scaled in place (and for
+        int8 a one-byte mask of the non-finite ones). Measured by ``tests/test_codecs.py``."""
         scales = _scale_count(self.name, shape)
         if scales == 0:
             return 0, 0
@@ -67,9 +69,10 @@ class Codec:
         encode = 8 * n if dtype != torch.float32 else (4 + self.itemsize) * n
         if scales > 1:       # the per-channel maxima beside them: an upper bound, equal from a few rows on
             encode += 4 * scales
-        # decoding chunks by channel only where there is more than one scale (as _scaled_decode reads them)
+        # decoding chunks by channel only where there is more than one scale (as _scaled_decode reads them):
+        # the float32 values (scaled in place), and int8's mask of the values that were not finite
         m = n if scales > 1 else chunk_elements("float8", shape)
-        return encode, max(8, 4 + dtype.itemsize) * m
+        return encode, (5 if self.name == "int8" else 4) * m
 
 
 def channel_dim(shape: tuple[int, ...]) -> int:
@@ -98,7 +101,7 @@ def _scale_count(name: str, shape: tuple[int, ...]) -> int:
 
 
 def _cast(dtype: torch.dtype):
-    def encode(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def encode(x: torch.Tensor, channel: int | None = None) -> tuple[torch.Tensor, ...]:
         return (x.to(dtype),)
 
     def decode(stored: tuple[torch.Tensor, ...], original: torch.dtype) -> torch.Tensor:
@@ -150,24 +153,34 @@ def _scaled_encode(x: torch.Tensor, channel: int | None, limit: float, dtype: to
         scales = x.shape[channel] if channel is not None else 1
         return torch.empty(x.shape, dtype=dtype, device=x.device), torch.ones(scales, device=x.device)
     rows = _rows(x, channel)
-    scale = (_finite_amax(rows) / limit).clamp_min(1e-30)
+    scale = _finite_amax(rows) / limit
+    # a channel of zeros keeps scale 1 (a floor such as 1e-30 broke the error bound of tiny values)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     out = torch.empty(rows.shape, dtype=dtype, device=x.device)
     for part in _chunks(rows):
         scaled = rows[part].float() / scale
+        # an inf or NaN comes back as NaN, not as a finite value (saturated, it hid a divergence from NaN
+        # checks and GradScaler): int8 marks it with -128, outside the ±127 of finite values; e4m3fn has NaN
         if rounding:
-            scaled = scaled.round_().clamp_(-limit, limit)
+            scaled.round_().nan_to_num_(nan=-1e9, posinf=-1e9, neginf=-1e9).clamp_(-limit - 1, limit)
+        else:
+            scaled.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan)
         out[part] = scaled.to(dtype)
         del scaled
-    return out.view(x.shape), scale.reshape(-1)
+    # the scale keeps the channel's place, so decoding finds it whatever the layout the stash encoded
+    where = [size if d == channel else 1 for d, size in enumerate(x.shape)] if channel is not None else [-1]
+    return out.view(x.shape), scale.reshape(where)
 
 
-def _float8_encode(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return _scaled_encode(x, _channel("float8", tuple(x.shape)), 448.0, torch.float8_e4m3fn, rounding=False)
+def _float8_encode(x: torch.Tensor, channel: int | None = None) -> tuple[torch.Tensor, ...]:
+    return _scaled_encode(x, None, 448.0, torch.float8_e4m3fn, rounding=False)     # one scale per tensor
 
 
-def _int8_encode(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    # no channels below 2-D: one scale for the tensor
-    return _scaled_encode(x, _channel("int8", tuple(x.shape)), 127.0, torch.int8, rounding=True)
+def _int8_encode(x: torch.Tensor, channel: int | None = None) -> tuple[torch.Tensor, ...]:
+    """``channel``: the dimension of ``x`` that is the activation's channel (the stash encodes a channels-last
+    tensor in its memory order, where it is not :func:`channel_dim`'s); no channels below 2-D."""
+    return _scaled_encode(x, channel if channel is not None else _channel("int8", tuple(x.shape)), 127.0,
+                          torch.int8, rounding=True)
 
 
 def _scaled_decode(stored: tuple[torch.Tensor, ...], original: torch.dtype) -> torch.Tensor:
@@ -175,11 +188,17 @@ def _scaled_decode(stored: tuple[torch.Tensor, ...], original: torch.dtype) -> t
     values, scale = stored
     if values.numel() == 0:
         return torch.empty(values.shape, dtype=original, device=values.device)
-    rows = _rows(values, _channel("int8", tuple(values.shape)) if scale.numel() > 1 else None)
+    channel = next((d for d, size in enumerate(scale.shape) if size > 1), None) \
+        if scale.dim() == values.dim() and scale.numel() > 1 else None
+    rows = _rows(values, channel)
     scale = scale.reshape(1, -1, 1)
     out = torch.empty(rows.shape, dtype=original, device=values.device)
     for part in _chunks(rows):
-        out[part] = (rows[part].float() * scale).to(original)
+        chunk = rows[part].float()
+        if values.dtype == torch.int8:
+            chunk.masked_fill_(chunk == -128, math.nan)        # a value that was not finite
+        out[part] = chunk.mul_(scale)          # (the copy casts: no temporary of the original dtype)
+        del chunk
     return out.view(values.shape)
 
 

@@ -34,7 +34,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autorecompute.runtime.codecs import codec
+from autorecompute.runtime.codecs import channel_dim, codec
 from autorecompute.runtime.tiers import HostTier, PinnedPool, SimulatedTier, Transfer, check_writable, disk_tier
 
 DEFAULT_PINNED_BYTES = 8 << 30   # pinned host memory the CUDA tier may hold before it falls back to disk
@@ -77,6 +77,13 @@ class _Stash:
         # the whole storage as one flat tensor: saved views of it are rebuilt over the restored copy
         self.flat: torch.Tensor | None = torch.as_strided(tensor.detach(), (self.numel,), (1,), 0)
         self.shape = tuple(tensor.shape) if tensor.numel() == self.numel and tensor.is_contiguous() else None
+        # a dense tensor in another order (channels_last): encoded in its memory order, with its channel there
+        # (as a flat storage, int8 had one scale for all channels: 100% error in the small ones)
+        self.layout: tuple[tuple[int, ...], int] | None = None
+        if compressed and self.shape is None and tensor.numel() == self.numel and tensor.dim() >= 2:
+            order = sorted(range(tensor.dim()), key=tensor.stride, reverse=True)
+            if tensor.permute(order).is_contiguous():
+                self.layout = (tuple(tensor.shape[d] for d in order), order.index(channel_dim(tuple(tensor.shape))))
         self.stride = tuple(tensor.stride())   # a recipe's result must have it to stand for the storage
         self.stored = None            # tier handle (offload) or encoded tensors (compress)
         self.out: Transfer | None = None
@@ -97,8 +104,10 @@ class _Stash:
             return
         with torch.no_grad():
             if self.codec is not None:
-                source = self.flat.view(self.shape) if self.shape is not None else self.flat
-                self.stored = self.codec.encode(source)
+                if self.layout is not None:
+                    self.stored = self.codec.encode(self.flat.view(self.layout[0]), channel=self.layout[1])
+                else:
+                    self.stored = self.codec.encode(self.flat.view(self.shape) if self.shape is not None else self.flat)
             else:
                 self.stored, self.out = self.tier.store(self.flat, self.name)
         # ``flat`` stays until stash_release: it pins the storage, so its address (the registration key)
