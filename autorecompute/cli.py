@@ -133,7 +133,8 @@ def plan_command(args: argparse.Namespace) -> int:
     try:
         plan = autorecompute.plan(model, *example, budget=args.budget, solver_time_limit=args.solver_time_limit,
                                   actions=_names(args.actions),
-                                  compress_dtypes=None if args.compress_dtypes is None else _names(args.compress_dtypes),
+                                  compress_dtypes=(None if args.compress_dtypes is None
+                                                   else _names(args.compress_dtypes)),
                                   objective=args.objective)
     except (autorecompute.AutorecomputeError, ValueError) as error:
         return fail(str(error), 1)

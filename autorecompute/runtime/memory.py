@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autorecompute.runtime.workspaces import (DISTINCT_OUTPUTS, SIZED_BY_RUNNING, real_output_bytes, warm_up_blas,
+from autorecompute.runtime.workspaces import (DISTINCT_OUTPUTS, real_output_bytes, sized_by_running, warm_up_blas,
                                               workspace_bytes)
 
 
@@ -81,7 +81,7 @@ class LiveStorageTracker(TorchDispatchMode):
         outputs = list(_op_tensors(out))
         # an output a fake kernel makes smaller than the real one (an RNN's reserve for backward): its real size
         real = real_output_bytes(func, args, kwargs) \
-            if func in SIZED_BY_RUNNING and outputs and is_fake(outputs[0]) else None
+            if outputs and sized_by_running(func, outputs[0].device.type) and is_fake(outputs[0]) else None
         made = set()
         for i, tensor in enumerate(outputs):
             storage = tensor.untyped_storage()

@@ -151,15 +151,22 @@ def _probe(func, spec, described) -> int:
 # without running it (an LSTM of 128 units over 32 steps of 8: 1.9 MiB on the CPU, 0 fake).
 # (Only forward kernels: a backward probed on made-up inputs would get the fake, empty reserve, and oneDNN's
 # crashes on it.)
-# Besides them, CPU kernels that return a tensor in a larger storage than its own (found by comparing each
-# op's real and fake outputs): a reduced pointwise loss keeps its unreduced buffer (1 MiB under a 0-d mean
-# of 2048 × 128), ``F.fold``'s col2im a buffer k² its output, an embedding bag's offset2bag one more index.
 SIZED_BY_RUNNING = frozenset({torch.ops.aten.mkldnn_rnn_layer.default, torch.ops.aten._cudnn_rnn.default,
-                              torch.ops.aten.miopen_rnn.default,
-                              torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default,
-                              torch.ops.aten.binary_cross_entropy.default, torch.ops.aten.soft_margin_loss.default,
-                              torch.ops.aten.col2im.default, torch.ops.aten._embedding_bag.default,
-                              torch.ops.aten._embedding_bag_forward_only.default})
+                              torch.ops.aten.miopen_rnn.default})
+# CPU kernels that return a tensor in a larger storage than its own (found by comparing each op's real and
+# fake outputs on the CPU): a reduced pointwise loss keeps its unreduced buffer (1 MiB under a 0-d mean of
+# 2048 × 128), ``F.fold``'s col2im a buffer k² its output, an embedding bag's offset2bag one more index.
+# (CPU only: not measured on a GPU, where a probe's made-up inputs would also take device memory.)
+SIZED_BY_RUNNING_ON_CPU = frozenset({
+    torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default,
+    torch.ops.aten.binary_cross_entropy.default, torch.ops.aten.soft_margin_loss.default,
+    torch.ops.aten.col2im.default, torch.ops.aten._embedding_bag.default,
+    torch.ops.aten._embedding_bag_forward_only.default})
+
+
+def sized_by_running(func, device_type: str) -> bool:
+    """Whether ``func``'s outputs on ``device_type`` are sized by :func:`real_output_bytes`."""
+    return func in SIZED_BY_RUNNING or (device_type == "cpu" and func in SIZED_BY_RUNNING_ON_CPU)
 # Ops whose fake kernel returns one tensor for outputs the real kernel makes apart: the CPU LSTM backward's
 # two bias gradients.
 DISTINCT_OUTPUTS = frozenset({torch.ops.aten.mkldnn_rnn_layer_backward.default})
@@ -170,7 +177,7 @@ def real_output_bytes(func, args, kwargs) -> tuple[int, ...] | None:
     """For an op of :data:`SIZED_BY_RUNNING` called on fake tensors: the storage bytes of each of its tensor
     outputs (in :func:`~autorecompute.runtime.memory` order) when it runs for real — measured once per
     signature, by running it on made-up inputs on the device; None for other ops, or when it cannot run."""
-    if func not in SIZED_BY_RUNNING:
+    if func not in SIZED_BY_RUNNING and func not in SIZED_BY_RUNNING_ON_CPU:
         return None
     signature = _signature(func, args, kwargs or {}, cuda_only=False)
     if signature is None:
