@@ -550,44 +550,65 @@ def subgraphs_mutate(node: torch.fx.Node) -> bool:
 
 def read_before_written(graph: torch.fx.Graph) -> set[str]:
     """Ops that read a tensor (or a view of it) which a later op writes in place — an activation's slice
-    assigned (``a[:, :4] = tanh(a[:, :4])``), a buffer the forward updates (spectral norm's power iteration):
-    run again in backward, they would read the written values (and autograd's version check fails)."""
+    assigned (``a[:, :4] = tanh(a[:, :4])``), a buffer the forward updates (spectral norm's power iteration,
+    statistics updated under ``torch.no_grad()`` inside a higher-order op's subgraph): run again in backward,
+    they would read the written values (and autograd's version check fails)."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     sharing: dict[torch.fx.Node, list[torch.fx.Node]] = {}    # storage root → it, its views and in-place results
     found: set[str] = set()
+
+    def readers_before(node: torch.fx.Node, value) -> None:
+        root = _storage_root(value)
+        for alias in sharing.get(root, [root] if isinstance(root, torch.fx.Node) else []):
+            found.update(reader.name for reader in alias.users
+                         if reader is not node and reader.op == "call_function" and order[reader] < order[node])
+
     for node in graph.nodes:
-        if node.op != "call_function" or not (_is_view(node) or is_mutating(node)):
+        if node.op != "call_function":
+            continue
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            written, returned = _subgraph_writes(node)
+            for user in node.users:       # a result that is a written operand (the buffer's new value) aliases it
+                if user.target is operator.getitem and user.args[1] in returned:
+                    root = _storage_root(returned[user.args[1]])
+                    sharing.setdefault(root, [root]).append(user)
+            for value in written:
+                readers_before(node, value)
+            continue
+        if not (_is_view(node) or is_mutating(node)):
             continue
         root = _storage_root(node)
         if isinstance(root, torch.fx.Node):
             sharing.setdefault(root, [root]).append(node)
-        if not is_mutating(node):
+        if is_mutating(node):
+            for value in _written(node):
+                readers_before(node, value)
+    return found
+
+
+def _subgraph_writes(node: torch.fx.Node) -> tuple[list, dict]:
+    """For a higher-order op (``wrap_with_set_grad_enabled(False, submod, *operands)``): the operands its
+    subgraph writes in place, and {result index: the written operand that result is}."""
+    owner = node.graph.owning_module
+    position = next((i for i, arg in enumerate(node.args) if isinstance(arg, torch.fx.Node) and arg.op == "get_attr"
+                     and isinstance(getattr(owner, arg.target, None), torch.fx.GraphModule)), None)
+    if position is None:
+        return [], {}
+    sub = getattr(owner, node.args[position].target)
+    operands = node.args[position + 1:]
+    placeholders = {n: i for i, n in enumerate(n for n in sub.graph.nodes if n.op == "placeholder")}
+    written: set[int] = set()
+    for inner in sub.graph.nodes:
+        if inner.op != "call_function":
             continue
-        for value in _written(node):
-            for alias in sharing.get(_storage_root(value), ()):
-                found.update(reader.name for reader in alias.users
-                             if reader is not node and reader.op == "call_function" and order[reader] < order[node])
-    return found | _read_before_subgraph_writes(graph, order)
-
-
-def _read_before_subgraph_writes(graph: torch.fx.Graph, order: dict) -> set[str]:
-    """What :func:`read_before_written` finds for writes inside a higher-order op's subgraph (statistics a
-    forward updates in place under ``torch.no_grad()``: an EMA buffer read, then written): ops reading a buffer,
-    an operand of such an op or one of its results (the buffers' new values) before the last such op. Which
-    of them a subgraph writes is not traced through: all are taken, as only models updating state do this."""
-    writers = [node for node in graph.nodes if node.op == "call_function"
-               and isinstance(node.target, torch._ops.HigherOrderOperator) and subgraphs_mutate(node)]
-    if not writers:
-        return set()
-    last = max(order[node] for node in writers)
-    owner = graph.owning_module
-    buffers = {name for name, _ in owner.named_buffers()} if owner is not None else set()
-    suspects = [node for node in graph.nodes if node.op == "get_attr" and node.target in buffers]
-    for writer in writers:
-        suspects += [arg for arg in writer.args if isinstance(arg, torch.fx.Node) and arg.op != "get_attr"]
-        suspects += [user for user in writer.users if user.target is operator.getitem]
-    return {reader.name for value in suspects for reader in value.users
-            if reader.op == "call_function" and reader not in writers and order[reader] < last}
+        values = _written(inner) if is_mutating(inner) else \
+            _subgraph_writes(inner)[0] if isinstance(inner.target, torch._ops.HigherOrderOperator) else []
+        written.update(placeholders[root] for root in map(_storage_root, values) if root in placeholders)
+    results = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+    results = results if isinstance(results, (tuple, list)) else [results]
+    returned = {k: operands[placeholders[root]] for k, root in enumerate(map(_storage_root, results))
+                if root in placeholders and placeholders[root] in written and placeholders[root] < len(operands)}
+    return [operands[i] for i in sorted(written) if i < len(operands)], returned
 
 
 def _fills_fresh_tensor_with_bernoulli(node: torch.fx.Node) -> bool:

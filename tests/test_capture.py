@@ -361,3 +361,37 @@ def test_transformers_output_collecting_hooks_are_not_warned_of():
     case.model.model.layers[1].register_forward_hook(lambda module, inputs, output: None)
     with pytest.warns(UserWarning, match=r"forward hooks on \['model.layers.1'\]"):
         capture(case.model, case.args, kwargs)
+
+
+def test_only_readers_of_what_a_no_grad_block_writes_are_kept_from_recomputation():
+    """Writes inside a higher-order op's subgraph (a ``torch.no_grad()`` block updating buffers) make the ops
+    that read those buffers before them unfit to run again — and only those: spectral norm's power
+    iteration writes its own vectors, so a BatchNorm beside it stays recomputable (a rule taking every
+    buffer had turned off all four here, raising the recompute-only minimum 11%)."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    from autorecompute.passes.capture import read_before_written
+
+    class Statistics(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+            self.register_buffer("shift", torch.zeros(16))
+            self.register_buffer("ema", torch.zeros(16))
+
+        def forward(self, x):
+            h = self.linear(x)
+            y = torch.tanh(h + self.shift) * torch.sigmoid(h)
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * h.mean(0))      # written, read by nothing before
+                self.shift.add_(0.01)                          # written after the add read it
+            return y
+
+    gm = capture(Statistics(), (torch.randn(8, 16),), {})
+    assert [n.target for n in gm.graph.nodes if n.name in read_before_written(gm.graph)] == [torch.ops.aten.add.Tensor]
+    layers = []
+    for _ in range(4):
+        layers += [spectral_norm(torch.nn.Conv2d(8, 8, 3, padding=1)), torch.nn.BatchNorm2d(8), torch.nn.ReLU()]
+    gm = capture(torch.nn.Sequential(*layers), (torch.randn(2, 8, 8, 8),), {})
+    flagged = read_before_written(gm.graph)
+    assert not [n for n in gm.graph.nodes if n.name in flagged and "batch_norm" in str(n.target)]

@@ -49,6 +49,10 @@ def test_tiny_values_keep_the_error_bound(name):
     x = torch.randn(16, 32) * 1e-30
     y = CODECS[name].decode(CODECS[name].encode(x), x.dtype)
     assert ((y - x).abs().max() / x.abs().max()) < 0.07
+    # a subnormal scale rounds: a finite value past ±127.5 must not become int8's non-finite mark
+    a = 190 * 2.0**-149
+    subnormal = torch.tensor([[a], [-a], [0.3 * a]])
+    assert torch.isfinite(CODECS[name].decode(CODECS[name].encode(subnormal), subnormal.dtype)).all()
 
 
 def test_int8_keeps_a_scale_per_channel_of_a_channels_last_activation():

@@ -161,10 +161,9 @@ def _scaled_encode(x: torch.Tensor, channel: int | None, limit: float, dtype: to
         scaled = rows[part].float() / scale
         # an inf or NaN comes back as NaN, not as a finite value (saturated, it hid a divergence from NaN
         # checks and GradScaler): int8 marks it with -128, outside the ±127 of finite values; e4m3fn has NaN
-        if rounding:
-            scaled.round_().nan_to_num_(nan=-1e9, posinf=-1e9, neginf=-1e9).clamp_(-limit - 1, limit)
-        else:
-            scaled.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan)
+        scaled.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan)
+        if rounding:     # (clamped first: a subnormal scale can put a finite value past ±127.5)
+            scaled.round_().clamp_(-limit, limit).nan_to_num_(nan=-limit - 1)
         out[part] = scaled.to(dtype)
         del scaled
     # the scale keeps the channel's place, so decoding finds it whatever the layout the stash encoded
