@@ -113,7 +113,6 @@ class PlannerOptions:
             # infinite is refused too: the limit is also the deterministic work CP-SAT may spend, an integer
             raise ValueError(f"solver_time_limit={self.solver_time_limit!r} must be a finite number of seconds > 0 "
                              "(the best plan found by then is used: for a longer search pass more, e.g. 60)")
-
         if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) \
                 or not -2**31 <= self.seed < 2**31:
             raise ValueError(f"seed={self.seed!r} must be an int that fits 32 bits (CP-SAT's random seed)")
@@ -330,7 +329,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
             # the plans it replaced too: a fake step each (well under a second on the benchmark models), and
             # plans equal in the model can differ when measured (VGG with offload: 3.98, 4.17 and 4.50 MB at
             # one model peak of 4.50 MB)
-            for decisions in [*([] if lowest["verified"] else [lowest["decisions"]]), *replaced_unverified]:
+            for decisions in ([] if lowest["verified"] else [lowest["decisions"]]) + replaced_unverified:
                 model_peak = predicted_peak(problem, *decisions)
                 module, peak = verify(decisions) if model_peak < baseline_peak else (gm, baseline_peak)
                 verified_minimum.append((module, peak, decisions) if peak < baseline_peak else

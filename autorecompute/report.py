@@ -211,6 +211,7 @@ def _require_matplotlib() -> None:
 def _offscreen_axes():
     """Axes of a figure pyplot does not manage, drawn by Agg: saving a plan neither switches the caller's
     backend (it called ``matplotlib.use("Agg")``) nor leaves a figure open."""
+    _require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -229,7 +230,6 @@ def plan_to_html(plan: "Plan") -> str:
              f"<pre>{html.escape(plan.summary())}</pre>"]
     try:
         buffer = io.BytesIO()
-        _require_matplotlib()
         ax = plot_memory(plan, ax=_offscreen_axes())
         ax.figure.tight_layout()
         ax.figure.savefig(buffer, format="png")

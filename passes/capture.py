@@ -534,18 +534,19 @@ def written_in_place(graph: torch.fx.Graph) -> set[str]:
     return written
 
 
+def _subgraphs(node: torch.fx.Node) -> list[tuple[int, torch.fx.GraphModule]]:
+    """A higher-order op's subgraphs, with their positions among its arguments."""
+    owner = node.graph.owning_module
+    found = [(i, getattr(owner, arg.target, None)) for i, arg in enumerate(node.args)
+             if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and owner is not None]
+    return [(i, sub) for i, sub in found if isinstance(sub, torch.fx.GraphModule)]
+
+
 def subgraphs_mutate(node: torch.fx.Node) -> bool:
     """Whether a higher-order op's subgraphs write a tensor in place (``wrap_with_set_grad_enabled`` around
     spectral norm's power iteration, which updates its ``_u``/``_v`` buffers with ``out=``)."""
-    owner = node.graph.owning_module
-    for arg in node.args:
-        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and owner is not None:
-            sub = getattr(owner, arg.target, None)
-            if isinstance(sub, torch.fx.GraphModule) and any(
-                    is_mutating(n) or (isinstance(n.target, torch._ops.HigherOrderOperator) and subgraphs_mutate(n))
-                    for n in sub.graph.nodes if n.op == "call_function"):
-                return True
-    return False
+    return any(is_mutating(n) or (isinstance(n.target, torch._ops.HigherOrderOperator) and subgraphs_mutate(n))
+               for _, sub in _subgraphs(node) for n in sub.graph.nodes if n.op == "call_function")
 
 
 def read_before_written(graph: torch.fx.Graph) -> set[str]:
@@ -589,12 +590,10 @@ def read_before_written(graph: torch.fx.Graph) -> set[str]:
 def _subgraph_writes(node: torch.fx.Node) -> tuple[list, dict]:
     """For a higher-order op (``wrap_with_set_grad_enabled(False, submod, *operands)``): the operands its
     subgraph writes in place, and {result index: the written operand that result is}."""
-    owner = node.graph.owning_module
-    position = next((i for i, arg in enumerate(node.args) if isinstance(arg, torch.fx.Node) and arg.op == "get_attr"
-                     and isinstance(getattr(owner, arg.target, None), torch.fx.GraphModule)), None)
-    if position is None:
+    subgraphs = _subgraphs(node)
+    if not subgraphs:
         return [], {}
-    sub = getattr(owner, node.args[position].target)
+    position, sub = subgraphs[0]
     operands = node.args[position + 1:]
     placeholders = {n: i for i, n in enumerate(n for n in sub.graph.nodes if n.op == "placeholder")}
     written: set[int] = set()

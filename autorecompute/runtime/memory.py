@@ -81,7 +81,7 @@ class LiveStorageTracker(TorchDispatchMode):
         outputs = list(_op_tensors(out))
         # an output a fake kernel makes smaller than the real one (an RNN's reserve for backward): its real size
         real = real_output_bytes(func, args, kwargs) \
-            if outputs and sized_by_running(func, outputs[0].device.type) and is_fake(outputs[0]) else None
+            if outputs and sized_by_running(func, outputs[0]) and is_fake(outputs[0]) else None
         made = set()
         for i, tensor in enumerate(outputs):
             storage = tensor.untyped_storage()

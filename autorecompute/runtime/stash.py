@@ -76,14 +76,14 @@ class _Stash:
         self.numel = storage.nbytes() // tensor.element_size()
         # the whole storage as one flat tensor: saved views of it are rebuilt over the restored copy
         self.flat: torch.Tensor | None = torch.as_strided(tensor.detach(), (self.numel,), (1,), 0)
-        self.shape = tuple(tensor.shape) if tensor.numel() == self.numel and tensor.is_contiguous() else None
-        # a dense tensor in another order (channels_last): encoded in its memory order, with its channel there
-        # (as a flat storage, int8 had one scale for all channels: 100% error in the small ones)
-        self.layout: tuple[tuple[int, ...], int] | None = None
-        if compressed and self.shape is None and tensor.numel() == self.numel and tensor.dim() >= 2:
-            order = sorted(range(tensor.dim()), key=tensor.stride, reverse=True)
+        # a dense tensor is encoded in its memory order (the identity when contiguous), with its channel there:
+        # encoded as a flat storage, a channels-last int8 had one scale for all channels (100% error in the small)
+        self.layout: tuple[tuple[int, ...], int | None] | None = None
+        if compressed and tensor.numel() == self.numel:
+            order = sorted(range(tensor.dim()), key=tensor.stride, reverse=True)     # (stable: contiguous → identity)
             if tensor.permute(order).is_contiguous():
-                self.layout = (tuple(tensor.shape[d] for d in order), order.index(channel_dim(tuple(tensor.shape))))
+                channel = order.index(channel_dim(tuple(tensor.shape))) if tensor.dim() >= 2 else None
+                self.layout = (tuple(tensor.shape[d] for d in order), channel)
         self.stride = tuple(tensor.stride())   # a recipe's result must have it to stand for the storage
         self.stored = None            # tier handle (offload) or encoded tensors (compress)
         self.out: Transfer | None = None
@@ -104,10 +104,8 @@ class _Stash:
             return
         with torch.no_grad():
             if self.codec is not None:
-                if self.layout is not None:
-                    self.stored = self.codec.encode(self.flat.view(self.layout[0]), channel=self.layout[1])
-                else:
-                    self.stored = self.codec.encode(self.flat.view(self.shape) if self.shape is not None else self.flat)
+                shape, channel = self.layout if self.layout is not None else (self.flat.shape, None)
+                self.stored = self.codec.encode(self.flat.view(shape), channel=channel)
             else:
                 self.stored, self.out = self.tier.store(self.flat, self.name)
         # ``flat`` stays until stash_release: it pins the storage, so its address (the registration key)

@@ -164,9 +164,10 @@ SIZED_BY_RUNNING_ON_CPU = frozenset({
     torch.ops.aten._embedding_bag_forward_only.default})
 
 
-def sized_by_running(func, device_type: str) -> bool:
-    """Whether ``func``'s outputs on ``device_type`` are sized by :func:`real_output_bytes`."""
-    return func in SIZED_BY_RUNNING or (device_type == "cpu" and func in SIZED_BY_RUNNING_ON_CPU)
+def sized_by_running(func, output: torch.Tensor) -> bool:
+    """Whether ``func``'s outputs (``output`` the first) are sized by :func:`real_output_bytes` (a set lookup
+    first: the tracker asks at every op)."""
+    return func in SIZED_BY_RUNNING or (func in SIZED_BY_RUNNING_ON_CPU and output.device.type == "cpu")
 # Ops whose fake kernel returns one tensor for outputs the real kernel makes apart: the CPU LSTM backward's
 # two bias gradients.
 DISTINCT_OUTPUTS = frozenset({torch.ops.aten.mkldnn_rnn_layer_backward.default})
