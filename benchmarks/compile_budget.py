@@ -80,8 +80,8 @@ NO_DROPOUT = "-nodropout"
 def make_case(name: str):
     """``models.make(name)``; ``<model>-nodropout``: the same model with every dropout at p=0."""
     if not name.endswith(NO_DROPOUT):
-        return models.make(name)
-    case = models.make(name[:-len(NO_DROPOUT)])
+        return models.make(name, benchmark=True)
+    case = models.make(name[:-len(NO_DROPOUT)], benchmark=True)
     for module in case.model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0

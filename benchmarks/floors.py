@@ -29,7 +29,7 @@ FULL = ["gpt", "gpt2", "bert", "llama", "resnet", "unet", "mlp", "vgg"]
 
 def floors(name: str) -> dict[str, int]:
     """The model's lower bounds: ``{"recompute": ..., "offload": ...}`` in bytes."""
-    case = models.make(name)
+    case = models.make(name, benchmark=True)
     gm = capture(case.model, case.args, case.kwargs)
     profile_step(gm, case.args, case.kwargs)
     return {"recompute": lower_bound(build_problem(gm)),

@@ -294,7 +294,7 @@ class Bench:
 
 def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]:
     PHASES.clear()
-    case = models.make(name)
+    case = models.make(name, benchmark=True)
     model = case.model
     rows: list[dict] = []
     reps = 3 if quick else 7

@@ -64,6 +64,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     _drop_guards_and_asserts(gm)
     _inline_math_attention(gm)
     _functionalize_activation_mutations(gm)
+    _softmax_backward_in_place(gm)
     _widen_at_each_reader(gm)
     gm.graph.lint()
     gm.recompile()
@@ -418,6 +419,64 @@ def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx.GraphMo
         result = result[0]
     node.replace_all_uses_with(result)
     gm.graph.erase_node(node)
+
+
+_SOFTMAXES = {torch.ops.aten.softmax.int: False, torch.ops.aten._safe_softmax.default: True}
+_aten = torch.ops.aten
+# ops whose backward makes a new tensor for the argument (a matmul's ``grad @ other.T``, a mask's product)
+_NEW_GRADIENT = {_aten.matmul.default, _aten.bmm.default, _aten.mm.default, _aten.mul.Tensor,
+                 _aten.native_dropout.default}
+# ops whose backward hands the gradient on as it is, or as a view of it (``to`` its own dtype, dropout at p=0
+# on a CPU, which return their input): the gradient is then as much the softmax's own as theirs
+_HANDS_GRADIENT_ON = {_aten.to.dtype, _aten._to_copy.default, _aten.dropout.default, _aten.view.default,
+                      _aten.reshape.default, _aten._unsafe_view.default, _aten.expand.default, _aten.clone.default,
+                      _aten.contiguous.default, _aten.transpose.int, _aten.permute.default,
+                      _aten.unsqueeze.default, _aten.alias.default}
+
+
+def _softmax_backward_in_place(gm: torch.fx.GraphModule) -> None:
+    """Each softmax over the last dimension whose result's gradient is its own becomes
+    :func:`~autorecompute.runtime.softmax.softmax_backward_in_place`: its backward writes into that gradient,
+    so it holds two attention-sized tensors where autograd's holds three. The same values: same kernel."""
+    from autorecompute.runtime.softmax import softmax_backward_in_place
+
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _SOFTMAXES or node.kwargs:
+            continue
+        x, result = node.args[0], node.meta.get("val")
+        source = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if not (isinstance(result, torch.Tensor) and isinstance(source, torch.Tensor)):
+            continue
+        dim = node.args[1] if len(node.args) > 1 else None
+        if source.dtype != result.dtype or not isinstance(dim, int) or dim % max(result.dim(), 1) != result.dim() - 1:
+            continue
+        if _owns_its_gradient(node):
+            dtype = node.args[2] if len(node.args) > 2 else None
+            node.args = (x, dim, dtype, _SOFTMAXES[node.target])
+            node.target = softmax_backward_in_place
+
+
+def _owns_its_gradient(node: torch.fx.Node) -> bool:
+    """Whether the gradient autograd hands ``node``'s backward is read by nothing else: one op reads ``node``
+    where a gradient flows, once, and its backward makes a new tensor for it — or hands on its own gradient,
+    which it owns in turn. (Readers that take no gradient, ``detach``, do not count; a graph output's gradient
+    is the caller's.)"""
+    readers = [user for user in node.users if user.op != "call_function" or _takes_gradient(user)]
+    if len(readers) != 1 or readers[0].op != "call_function":
+        return False
+    reader = readers[0]
+    read: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((reader.args, reader.kwargs), read.append)
+    if read.count(node) != 1:
+        return False
+    return reader.target in _NEW_GRADIENT or (reader.target in _HANDS_GRADIENT_ON and _owns_its_gradient(reader))
+
+
+def _takes_gradient(node: torch.fx.Node) -> bool:
+    """Whether a gradient may flow back through ``node`` (export's values do not say whether they require one)."""
+    value = node.meta.get("val")
+    floating = not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex()
+    return node.target is not torch.ops.aten.detach.default and floating
 
 
 # elementwise ops without the pointwise tag that widen a tensor: casts, and where with a scalar branch

@@ -54,13 +54,13 @@ def bert() -> Case:
     return Case("bert", t.BertForMaskedLM(cfg), (ids,), {"attention_mask": mask})
 
 
-def llama() -> Case:
+def llama(layers: int = 3, batch: int = 4, sequence: int = 64) -> Case:
     t = _quiet_transformers()
-    cfg = t.LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+    cfg = t.LlamaConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                         intermediate_size=192, vocab_size=256, max_position_embeddings=128, use_cache=False,
                         attn_implementation="eager",
                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return Case("llama", t.LlamaForCausalLM(cfg), (torch.randint(0, 256, (4, 64)),))
+    return Case("llama", t.LlamaForCausalLM(cfg), (torch.randint(0, 256, (batch, sequence)),))
 
 
 def t5() -> Case:
@@ -205,8 +205,8 @@ class VGG(nn.Module):
         return self.head(torch.flatten(self.features(x), 1))
 
 
-def vgg() -> Case:
-    return Case("vgg", VGG(), (torch.randn(8, 3, 32, 32),))
+def vgg(batch: int = 8) -> Case:
+    return Case("vgg", VGG(), (torch.randn(batch, 3, 32, 32),))
 
 
 ZOO: dict[str, Callable[[], Case]] = {
@@ -231,7 +231,20 @@ def resnet_wide_batch() -> Case:
 ACTIVATION_HEAVY: dict[str, Callable[[], Case]] = {"gpt": gpt_wide_batch, "resnet": resnet_wide_batch}
 
 
-def make(name: str, seed: int = 0) -> Case:
-    """Builds model ``name`` with ``torch.manual_seed(seed)`` (same seed → same weights and inputs)."""
+# The benchmark suite's sizes, where they differ from the tests': the step of a model that does not fit is
+# mostly activations, and at the tests' sizes Llama's parameters, their gradients and its logits with their
+# gradient — what is on the device at the end of backward whatever the plan — are 0.51× of √N's peak, and
+# VGG's parameters and gradients 0.54×: no plan could go below half √N's peak there (goal 2b). Four layers
+# over 128 tokens at batch 8, and VGG at batch 16, are sizes where activations dominate as in training.
+BENCHMARK: dict[str, Callable[[], Case]] = {
+    **ALL,
+    "llama": lambda: llama(layers=4, batch=8, sequence=128),
+    "vgg": lambda: vgg(batch=16),
+}
+
+
+def make(name: str, seed: int = 0, benchmark: bool = False) -> Case:
+    """Builds model ``name`` with ``torch.manual_seed(seed)`` (same seed → same weights and inputs), at the
+    benchmark suite's size when ``benchmark``."""
     torch.manual_seed(seed)
-    return ALL[name]()
+    return (BENCHMARK if benchmark else ALL)[name]()

