@@ -17,9 +17,9 @@ from typing import Any
 from autorecompute.budget import format_bytes
 from autorecompute.problem import GRADIENT
 
-# 8: ``extra_seconds``; 7: ``region_remakes``; 6: ``region_starts``; 5: the ``rematerialize:through`` action; 4: the ``rematerialize:chain`` action, ``delivers`` / ``delivered_by``;
+# 9: ``softmax_in_place``; 8: ``extra_seconds``; 7: ``region_remakes``; 6: ``region_starts``; 5: the ``rematerialize:through`` action; 4: the ``rematerialize:chain`` action, ``delivers`` / ``delivered_by``;
 # 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``; 2: ``stash``
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 ACTIONS = ("keep", "recompute", "rematerialize", "offload", "compress")
 
 
@@ -80,7 +80,8 @@ _JSON_KINDS = {**{name: int for name in ("budget", "predicted_peak", "baseline_p
                **{name: (int, float) for name in ("solver_time", "solver_gap", "plan_time", "extra_seconds")},
                **{name: str for name in ("solver_status", "objective", "model_name", "signature")},
                **{name: dict for name in ("decisions", "resident", "nodes", "timeline", "stash")},
-               **{name: list for name in ("actions", "edges", "at_peak", "region_starts", "region_remakes")}}
+               **{name: list for name in ("actions", "edges", "at_peak", "region_starts", "region_remakes",
+                                                "softmax_in_place")}}
 _KIND_NAMES = {int: "an int", (int, float): "a number", str: "a string", dict: "an object", list: "a list"}
 
 
@@ -119,6 +120,8 @@ class Plan:
             before them is recomputed too (elsewhere a region is a maximal run of recomputed ops).
         region_remakes: those of ``region_starts`` whose region, when it is recomputed, makes the inputs
             the region before it made again (from that region's inputs) instead of holding them.
+        softmax_in_place: softmaxes whose backward writes into their incoming gradient (one attention-sized
+            tensor less at their backward): those the budget needs; the others run autograd's backward.
     """
 
     budget: int
@@ -146,6 +149,7 @@ class Plan:
     stash: dict[str, StashRecord] = field(default_factory=dict)
     region_starts: tuple[str, ...] = ()
     region_remakes: tuple[str, ...] = ()
+    softmax_in_place: tuple[str, ...] = ()
     extra_seconds: float = 0.0
 
     # ---- queries -------------------------------------------------------------------------------------
@@ -226,7 +230,7 @@ class Plan:
         if not isinstance(data, dict):
             raise ValueError(f"plan JSON must be an object (what Plan.to_json writes), got a {type(data).__name__}")
         version = data.pop("schema_version", None)
-        if isinstance(version, bool) or version not in (1, 2, 3, 4, 5, 6, 7, SCHEMA_VERSION):
+        if isinstance(version, bool) or version not in (1, 2, 3, 4, 5, 6, 7, 8, SCHEMA_VERSION):
             raise ValueError(f"plan JSON has schema_version {version!r}; this autorecompute reads "
                              f"1 to {SCHEMA_VERSION}")
         known = {f.name for f in fields(cls)}
@@ -253,6 +257,7 @@ class Plan:
         data["at_peak"] = tuple(data.get("at_peak", ()))
         data["region_starts"] = tuple(data.get("region_starts", ()))
         data["region_remakes"] = tuple(data.get("region_remakes", ()))
+        data["softmax_in_place"] = tuple(data.get("softmax_in_place", ()))
         data["stash"] = {k: StashRecord(**{**v, "shape": tuple(v["shape"]), "recipe": tuple(v.get("recipe", ())),
                                            "delivers": tuple(v.get("delivers", ()))})
                          for k, v in data.get("stash", {}).items()}

@@ -97,7 +97,8 @@ def wall_ratio(reference, module, case, reps: int) -> float:
 
 def head_to_head(reference, modules: dict, case, reps: int) -> dict:
     """Median ratio to ``reference`` of each module, all interleaved in every repetition (in rotating order),
-    so the machine's drift cancels between the methods compared as well as against the reference."""
+    so the machine's drift cancels between the methods compared as well as against the reference; and the
+    median of each later module's time over the first module's, paired per repetition."""
     ratios = {name: [] for name in modules}
     order = list(modules)
     for i in range(reps):
@@ -111,10 +112,11 @@ def head_to_head(reference, modules: dict, case, reps: int) -> dict:
             run_step(modules[name], case.args, case.kwargs)
             ratios[name].append((time.perf_counter() - started) / base)
     out = {name: statistics.median(r) for name, r in ratios.items()}
-    first, second = order[:2]
-    between = sorted(b / a for a, b in zip(ratios[first], ratios[second]))
-    out[f"{second} / {first}"] = statistics.median(between)
-    out[f"{second} / {first} quartiles"] = (between[len(between) // 4], between[3 * len(between) // 4])
+    first = order[0]
+    for other in order[1:]:       # each against the first, paired run by run
+        between = sorted(b / a for a, b in zip(ratios[first], ratios[other]))
+        out[f"{other} / {first}"] = statistics.median(between)
+        out[f"{other} / {first} quartiles"] = (between[len(between) // 4], between[3 * len(between) // 4])
     out["reps"] = reps
     return out
 
@@ -386,13 +388,16 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
             variant = Bench(name, make_case(name + NO_DROPOUT), rows, reps)
             variant.at_compile_peaks(name + NO_DROPOUT, " (no dropout)", limit)
             del variant
-    # goal 5: √N and our plan at its peak timed side by side, interleaved with eager, more repetitions
-    at_sqrt = kept_modules.get("autorecompute @ sqrt_n peak")
+    # goal 5: √N and our plans at its peak — compile's default actions (recompute and offload) and recompute
+    # only — timed side by side, interleaved with eager, more repetitions
+    at_sqrt = {label: kept_modules[f"{method} @ sqrt_n peak"]
+               for label, method in (("autorecompute", "autorecompute"), ("default actions", "autorecompute+offload"))
+               if f"{method} @ sqrt_n peak" in kept_modules}
     wall = None
-    if at_sqrt is not None:
+    if at_sqrt:
         reset()
         with phase("head to head"):
-            wall = head_to_head(model, {"sqrt_n": kept_modules[reference["method"]], "autorecompute": at_sqrt},
+            wall = head_to_head(model, {"sqrt_n": kept_modules[reference["method"]], **at_sqrt},
                                 case, reps=WALL_REPS_QUICK if quick else WALL_REPS)
         print(f"  wall head to head: {wall}", flush=True)
     kept_modules.clear()

@@ -437,7 +437,10 @@ _HANDS_GRADIENT_ON = {_aten.to.dtype, _aten._to_copy.default, _aten.dropout.defa
 def _softmax_backward_in_place(gm: torch.fx.GraphModule) -> None:
     """Each softmax over the last dimension whose result's gradient is its own becomes
     :func:`~autorecompute.runtime.softmax.softmax_backward_in_place`: its backward writes into that gradient,
-    so it holds two attention-sized tensors where autograd's holds three. The same values: same kernel."""
+    so it holds two attention-sized tensors where autograd's holds three. The same values: same kernel. The
+    profile counts that memory; a plan that fits without it puts autograd's backward back
+    (:mod:`~autorecompute.passes.rewrite_softmax`)."""
+    from autorecompute.passes.rewrite_softmax import IN_PLACE
     from autorecompute.runtime.softmax import softmax_backward_in_place
 
     for node in list(gm.graph.nodes):
@@ -452,7 +455,8 @@ def _softmax_backward_in_place(gm: torch.fx.GraphModule) -> None:
             continue
         if _owns_its_gradient(node):
             dtype = node.args[2] if len(node.args) > 2 else None
-            node.args = (x, dim, dtype, _SOFTMAXES[node.target])
+            node.meta[IN_PLACE] = safe = _SOFTMAXES[node.target]
+            node.args = (x, dim, dtype, safe)
             node.target = softmax_backward_in_place
 
 

@@ -475,3 +475,21 @@ def test_a_softmax_backward_in_place_is_recorded_as_autograds_under_create_graph
     got, = torch.autograd.grad((softmax_backward_in_place(s, -1) @ w).pow(2).sum(), s, create_graph=True)
     assert torch.equal(expected, got)
     assert torch.equal(*(torch.autograd.grad(g.pow(2).sum(), s)[0] for g in (expected, got)))
+
+
+def test_a_plan_keeps_the_softmax_backward_in_place_only_where_its_budget_needs_it():
+    """autograd's softmax backward is the faster (called from C++): a plan that fits without the in-place one
+    puts it back — budget=1.0 is eager's own peak, as it was — and at the minimum, where the in-place
+    backward is what fits, it stays. Each plan measured within its budget, with eager's gradients bit for bit."""
+    torch.manual_seed(0)
+    model, args = _Probabilities(OWN_GRADIENT["a matmul"][0]), (torch.randn(4, 64, 8), torch.randn(4, 64, 8))
+    eager = measured_step(model, model, args, {})
+    minimum = autorecompute.minimum_peak(model, *args, solver_time_limit=2)
+    for budget, in_place in ((1.0, ()), (eager.peak, ()), (minimum, ("softmax",))):
+        compiled = autorecompute.compile(model, budget=budget, solver_time_limit=2)
+        ours = measured_step(compiled, model, args, {})
+        assert compiled.plan.softmax_in_place == in_place
+        assert compiled.plan.baseline_peak == eager.peak       # what fractions are of: eager's step
+        assert ours.peak <= compiled.plan.budget and ours.peak == compiled.plan.predicted_peak
+        assert_bitwise_equal(eager, ours)
+        assert autorecompute.Plan.from_json(compiled.plan.to_json()) == compiled.plan
