@@ -18,6 +18,7 @@ recorded (``create_graph=True``); otherwise the backward makes a new tensor, as 
 from __future__ import annotations
 
 import torch
+import torch.fx
 
 _SOFTMAX = {False: torch.ops.aten.softmax.int, True: torch.ops.aten._safe_softmax.default}
 _BACKWARD = torch.ops.aten._softmax_backward_data
@@ -53,4 +54,8 @@ def softmax_backward_in_place(x: torch.Tensor, dim: int, dtype: torch.dtype | No
         >>> torch.equal(x.grad, expected)
         True
     """
+    if isinstance(x, torch.fx.Proxy):
+        # traced again (a GraphModule pickled or symbolic_trace'd is rebuilt by tracing its code): one node, as
+        # planned — traced into, it would record autograd's softmax and lose the memory the plan counts on
+        return x.tracer.create_proxy("call_function", softmax_backward_in_place, (x, dim, dtype, safe), {})
     return _SoftmaxWritingIntoItsGradient.apply(x, dim, dtype, safe)
