@@ -202,24 +202,15 @@ def _wall_misses(summaries: list[dict]) -> str:
             else f"met on all {met} models")
 
 
-def _wall_of(summaries: list[dict], model: str) -> str:
-    """Goal 5 for one model: "0.981× √N's time (quartiles 0.95–1.01)", or "not measured"."""
+def _wall_of(summaries: list[dict], model: str, plan: str = "autorecompute") -> str:
+    """Goal 5 for one model's ``plan`` ("autorecompute": recompute only, or "default actions"): "0.981× √N's
+    time (quartiles 0.95–1.01)", or "not measured"."""
     s = next((s for s in summaries if s["model"] == model), None)
     wall = s and s.get("wall_at_sqrt_n_peak")
-    if not wall:
+    if not wall or f"{plan} / sqrt_n" not in wall:
         return "not measured"
-    low, high = wall["autorecompute / sqrt_n quartiles"]
-    return f"{wall['autorecompute / sqrt_n']:.3f}× √N's time (quartiles {low:.2f}–{high:.2f})"
-
-
-def _default_of(summaries: list[dict], model: str) -> str:
-    """The default-actions plan's paired ratio to √N for one model, or "not measured"."""
-    s = next((s for s in summaries if s["model"] == model), None)
-    wall = s and s.get("wall_at_sqrt_n_peak")
-    if not wall or "default actions / sqrt_n" not in wall:
-        return "not measured"
-    low, high = wall["default actions / sqrt_n quartiles"]
-    return f"{wall['default actions / sqrt_n']:.3f}× √N's time (quartiles {low:.2f}–{high:.2f})"
+    low, high = wall[f"{plan} / sqrt_n quartiles"]
+    return f"{wall[f'{plan} / sqrt_n']:.3f}× √N's time (quartiles {low:.2f}–{high:.2f})"
 
 
 def _on_the_line(summaries: list[dict], model: str) -> str:
@@ -489,7 +480,7 @@ def write_markdown(rows, summaries, seconds: float, quick: bool, path: Path) -> 
              "by a few percent, so the suite times 101 interleaved runs (the median paired ratio is then good to "
              "about ±1%). The GPT-style model is at "
              f"{_wall_of(summaries, 'gpt')}{_on_the_line(summaries, 'gpt')}, its default-actions plan (recompute "
-             f"and offload, timed in the same runs since session 29) at {_default_of(summaries, 'gpt')}. Session "
+             f"and offload, timed in the same runs since session 29) at {_wall_of(summaries, 'gpt', 'default actions')}. Session "
              "29's first two runs measured its recompute-only plan at 1.011× and 1.016×: the softmax backward "
              "written in place (2b) is a Python `autograd.Function`, ~35 µs a softmax on this CPU, six a step, "
              "~2% of the step; plans now put autograd's backward back wherever the budget allows "

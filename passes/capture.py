@@ -28,6 +28,8 @@ import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autorecompute.errors import CaptureError, user_stacklevel
+from autorecompute.passes.rewrite_softmax import IN_PLACE
+from autorecompute.runtime.softmax import AUTOGRAD_SOFTMAX, softmax_backward_in_place
 
 _DROPPED_TARGETS = {
     torch.ops.aten._assert_tensor_metadata.default,
@@ -421,7 +423,7 @@ def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx.GraphMo
     gm.graph.erase_node(node)
 
 
-_SOFTMAXES = {torch.ops.aten.softmax.int: False, torch.ops.aten._safe_softmax.default: True}
+_SOFTMAXES = {op: safe for safe, op in AUTOGRAD_SOFTMAX.items()}    # → the ``safe`` flag
 _aten = torch.ops.aten
 # ops whose backward makes a new tensor for the argument (a matmul's ``grad @ other.T``, a mask's product)
 _NEW_GRADIENT = {_aten.matmul.default, _aten.bmm.default, _aten.mm.default, _aten.mul.Tensor,
@@ -440,9 +442,6 @@ def _softmax_backward_in_place(gm: torch.fx.GraphModule) -> None:
     so it holds two attention-sized tensors where autograd's holds three. The same values: same kernel. The
     profile counts that memory; a plan that fits without it puts autograd's backward back
     (:mod:`~autorecompute.passes.rewrite_softmax`)."""
-    from autorecompute.passes.rewrite_softmax import IN_PLACE
-    from autorecompute.runtime.softmax import softmax_backward_in_place
-
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _SOFTMAXES or node.kwargs:
             continue

@@ -15,16 +15,16 @@ from typing import Collection
 import torch
 import torch.fx
 
-from autorecompute.runtime.softmax import softmax_backward_in_place
+from autorecompute.runtime.softmax import AUTOGRAD_SOFTMAX, softmax_backward_in_place
 
 IN_PLACE = "autorecompute_softmax_in_place"   # node.meta key set by capture: the node's ``safe`` flag
-_AUTOGRAD = {False: torch.ops.aten.softmax.int, True: torch.ops.aten._safe_softmax.default}
 
 
 def softmax_in_place_nodes(gm: torch.fx.GraphModule) -> list[str]:
     """Names of the softmaxes capture made ``softmax_backward_in_place`` (in ``gm`` and its region bodies),
     whichever backward they run now."""
-    return sorted({node.name for graph in _graphs(gm) for node in graph.nodes if _is_softmax(node)})
+    return sorted({node.name for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
+                   for node in module.graph.nodes if _is_softmax(node)})
 
 
 def rewrite_softmax(gm: torch.fx.GraphModule, in_place: Collection[str]) -> torch.fx.GraphModule:
@@ -51,7 +51,7 @@ def rewrite_softmax(gm: torch.fx.GraphModule, in_place: Collection[str]) -> torc
             safe = node.meta[IN_PLACE]
             x, dim, dtype = node.args[:3]
             target, args = (softmax_backward_in_place, (x, dim, dtype, safe)) if node.name in in_place \
-                else (_AUTOGRAD[safe], (x, dim, dtype))
+                else (AUTOGRAD_SOFTMAX[safe], (x, dim, dtype))
             if node.target is not target:
                 node.target, node.args, changed = target, args, True
         if changed:
@@ -62,8 +62,4 @@ def rewrite_softmax(gm: torch.fx.GraphModule, in_place: Collection[str]) -> torc
 def _is_softmax(node: torch.fx.Node) -> bool:
     """A softmax capture wrote in place (the mark alone is not enough: a region's output copies its op's meta)."""
     return IN_PLACE in node.meta and node.op == "call_function" and \
-        (node.target is softmax_backward_in_place or node.target in _AUTOGRAD.values())
-
-
-def _graphs(gm: torch.fx.GraphModule):
-    return [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+        (node.target is softmax_backward_in_place or node.target in AUTOGRAD_SOFTMAX.values())

@@ -20,14 +20,15 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-_SOFTMAX = {False: torch.ops.aten.softmax.int, True: torch.ops.aten._safe_softmax.default}
+# autograd's softmax op for ``safe`` (the ops capture replaces, and those the rewrite puts back)
+AUTOGRAD_SOFTMAX = {False: torch.ops.aten.softmax.int, True: torch.ops.aten._safe_softmax.default}
 _BACKWARD = torch.ops.aten._softmax_backward_data
 
 
 class _SoftmaxWritingIntoItsGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, dtype: torch.dtype | None, safe: bool) -> torch.Tensor:
-        result = _SOFTMAX[safe](x, dim, dtype)
+        result = AUTOGRAD_SOFTMAX[safe](x, dim, dtype)
         ctx.save_for_backward(result)
         ctx.dim = dim
         return result

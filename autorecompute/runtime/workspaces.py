@@ -168,6 +168,8 @@ def sized_by_running(func, output: torch.Tensor) -> bool:
     """Whether ``func``'s outputs (``output`` the first) are sized by :func:`real_output_bytes` (a set lookup
     first: the tracker asks at every op)."""
     return func in SIZED_BY_RUNNING or (func in SIZED_BY_RUNNING_ON_CPU and output.device.type == "cpu")
+
+
 # Ops whose fake kernel returns one tensor for outputs the real kernel makes apart: the CPU LSTM backward's
 # two bias gradients.
 DISTINCT_OUTPUTS = frozenset({torch.ops.aten.mkldnn_rnn_layer_backward.default})
