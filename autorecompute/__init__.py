@@ -3,16 +3,37 @@
     >>> import autorecompute
     >>> autorecompute.parse_budget("12GB")
     12000000000
-"""
-from autorecompute.api import CompiledModule, compile, minimum_peak, plan
-from autorecompute.budget import format_bytes, parse_budget
-from autorecompute.errors import (AutorecomputeError, CaptureError, InfeasibleBudgetError,
-                                  OffloadError, OverlappingStepsWarning, PartialBackwardWarning,
-                                  ReplanningWarning)
-from autorecompute.plan import Plan
-from autorecompute.transfer import TransferModel
 
-__all__ = ["compile", "plan", "minimum_peak", "parse_budget", "format_bytes", "Plan", "CompiledModule", "TransferModel",
-           "InfeasibleBudgetError", "CaptureError", "OffloadError", "AutorecomputeError", "ReplanningWarning",
-           "PartialBackwardWarning", "OverlappingStepsWarning"]
-__version__ = "0.2.0"
+Importing the package loads neither torch nor the planner: the names below that need them are imported on
+first use, so ``autorecompute --help`` answers at once and ``import autorecompute`` costs what torch costs.
+"""
+from __future__ import annotations
+
+import importlib
+
+from autorecompute._version import __version__
+from autorecompute.budget import format_bytes, parse_budget
+from autorecompute.errors import (AutorecomputeError, CaptureError, InfeasibleBudgetError, OffloadError,
+                                  OverlappingStepsWarning, PartialBackwardWarning, ReplanningWarning)
+
+# public name → the module that defines it, imported when the name is first read
+_LAZY = {"compile": "autorecompute.api", "plan": "autorecompute.api", "minimum_peak": "autorecompute.api",
+         "CompiledModule": "autorecompute.api", "Plan": "autorecompute.plan",
+         "TransferModel": "autorecompute.transfer", "measure_peak": "autorecompute.runtime.memory"}
+
+__all__ = ["compile", "plan", "minimum_peak", "measure_peak", "parse_budget", "format_bytes", "Plan",
+           "CompiledModule", "TransferModel", "InfeasibleBudgetError", "CaptureError", "OffloadError",
+           "AutorecomputeError", "ReplanningWarning", "PartialBackwardWarning", "OverlappingStepsWarning",
+           "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'autorecompute' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value          # later reads skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -316,6 +316,7 @@ def test_the_offload_file_has_no_name_so_nothing_can_remove_it(tmp_path):
 
 _FORKED_CHILD = """
 import os, sys, torch
+torch.set_num_threads(1)     # the child runs on one thread (OpenMP's do not survive a fork): eager's too, like for like
 sys.path.insert(0, {tests!r})
 import autorecompute, models
 from harness import measured_step
@@ -337,7 +338,6 @@ def steps_exact():
 pid = os.fork()
 if pid == 0:
     try:
-        torch.set_num_threads(1)     # (OpenMP's threads do not survive a fork: as in DataLoader workers)
         own = os.fstat(disk._resources[0].fileno()).st_ino != parent_file
         os._exit(0 if own and steps_exact() else 3)
     finally:
