@@ -15,10 +15,15 @@ from autorecompute._version import __version__
 from autorecompute.budget import format_bytes, parse_budget
 from autorecompute.errors import (AutorecomputeError, CaptureError, InfeasibleBudgetError, OffloadError,
                                   OverlappingStepsWarning, PartialBackwardWarning, ReplanningWarning)
+from autorecompute.plan import Plan
+
+# the submodule autorecompute.plan, imported above, is not the package's ``plan``: that name is the function
+# (__getattr__ below), as it is in the API; importing the submodule again leaves the name alone
+del plan   # noqa: F821 — bound by the import of the submodule
 
 # public name → the module that defines it, imported when the name is first read
 _LAZY = {"compile": "autorecompute.api", "plan": "autorecompute.api", "minimum_peak": "autorecompute.api",
-         "CompiledModule": "autorecompute.api", "Plan": "autorecompute.plan",
+         "CompiledModule": "autorecompute.api",
          "TransferModel": "autorecompute.transfer", "measure_peak": "autorecompute.runtime.memory"}
 
 __all__ = ["compile", "plan", "minimum_peak", "measure_peak", "parse_budget", "format_bytes", "Plan",

@@ -540,9 +540,26 @@ class CompiledModule(torch.nn.Module):
 def _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective) -> PlannerOptions:
     return PlannerOptions(actions=_names(actions, "actions", "('recompute', 'offload')"),
                           compress_dtypes=None if compress_dtypes is None else
-                          _names(compress_dtypes, "compress_dtypes", "('bfloat16',)"),
+                          _names(_dtype_names(compress_dtypes), "compress_dtypes", "('bfloat16',) or (torch.bfloat16,)"),
                           offload_dir=offload_dir, transfer=transfer, solver_time_limit=solver_time_limit, seed=seed,
                           objective=objective)
+
+
+# the torch dtypes a compress codec stores as, by the codec's name
+_CODEC_OF_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8",
+                   torch.int8: "int8"}
+
+
+def _dtype_names(value):
+    """``compress_dtypes`` with torch dtypes given by their codec's name (``torch.bfloat16`` → "bfloat16");
+    a dtype no codec stores as is left as it is, for PlannerOptions to name the accepted ones."""
+    if isinstance(value, torch.dtype):
+        value = (value,)
+    if isinstance(value, (list, tuple, set, frozenset)):     # (a set stays one, for _names to order)
+        kind = tuple if isinstance(value, list) else type(value)
+        return kind(_CODEC_OF_DTYPE.get(v, str(v).replace("torch.", "")) if isinstance(v, torch.dtype) else v
+                    for v in value)
+    return value
 
 
 def _names(value, argument: str, example: str):
@@ -574,7 +591,8 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
             to pinned host memory, then disk; CPU: to disk) — both exact, the default — and ``"compress"``
             (lossy, opt-in).
         compress_dtypes: what ``"compress"`` may store activations as, among ``"bfloat16"`` (the default),
-            ``"float16"``, ``"float8"`` (e4m3fn, per-tensor scale) and ``"int8"`` (per-channel scale).
+            ``"float16"``, ``"float8"`` (e4m3fn, per-tensor scale) and ``"int8"`` (per-channel scale), by
+            name or as torch dtypes (``(torch.bfloat16, torch.float8_e4m3fn)``; one dtype alone is taken as one).
         offload_dir: directory of the disk tier (None: the system temporary directory); checked now.
         transfer: compute and transfer throughputs of the cost model (``autorecompute.transfer``); None
             takes the device's defaults, ``autorecompute.transfer.measure()`` times this machine.

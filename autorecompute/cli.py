@@ -5,85 +5,23 @@ import argparse
 import importlib
 import os
 import sys
-import time
 from pathlib import Path
 
-import torch
+from autorecompute._version import __version__
 
 DEMO_HELP = "train a small embedded GPT under half its unoptimized peak and compare with sqrt(N) checkpointing"
-
-
-def _demo_model():
-    """The embedded default model: a 6-layer GPT with dropout (batch 8, sequence 128)."""
-    from autorecompute._demo_model import GPT
-
-    torch.manual_seed(0)
-    model = GPT(layers=6, d=128, heads=4, vocab=512, seq=128)
-    return model, torch.randint(0, 512, (8, 128))
-
-
-class _WithLoss(torch.nn.Module):
-    """The demo's model and its loss in one module: what the compiled module runs is the whole step, so the
-    plan counts the loss's memory too (a loss computed outside adds its own tensors at the peak)."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens, targets):
-        logits = self.model(tokens)
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+INPUT_HELP = ("an input to make: [NAME=]SIZES[:DTYPE[:HIGH]], e.g. 8,3,224,224 (float32 from a normal "
+              "distribution), 8,1024:int64:50257 (token ids below 50257), labels=8,1024:int64:50257 (a keyword "
+              "input); repeat for several inputs, in order; made on the model's device (meta for a meta model)")
 
 
 def demo(args: argparse.Namespace) -> int:
-    import autorecompute
-    from autorecompute.baselines import SqrtNCheckpointed
-    from autorecompute.budget import format_bytes
-    from autorecompute.runtime.memory import LiveStorageTracker, tensor_bytes
+    from autorecompute.demo import run
 
-    model, tokens = _demo_model()
-    targets = torch.roll(tokens, -1, dims=1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)   # stateless: all memory of a step is measured
-
-    def step(module) -> tuple[float, int]:
-        optimizer.zero_grad(set_to_none=True)
-        resident = tensor_bytes([*model.parameters(), *model.buffers(), tokens, targets])
-        tracker = LiveStorageTracker()
-        with tracker:
-            loss = module(tokens, targets)
-            loss.backward()
-        optimizer.step()
-        return loss.item(), resident + tracker.peak
-
-    eager_loss, eager_peak = step(_WithLoss(model))
-    budget = eager_peak // 2
-    print(f"demo model: 6-layer GPT, batch 8 x 128 tokens; eager step peak {format_bytes(eager_peak)}")
-    print(f"budget: half of it, {format_bytes(budget)}\n")
-    compiled = autorecompute.compile(_WithLoss(model), budget=budget, solver_time_limit=args.solver_time_limit)
-    started = time.perf_counter()
-    optimizer.zero_grad(set_to_none=True)          # plan the state each step starts from: no gradients
-    compiled.prepare(tokens, targets)
-    print(compiled.plan)
-    print(f"\nplanned in {time.perf_counter() - started:.1f} s; training {args.steps} steps:")
-    worst = 0
-    for i in range(args.steps):
-        loss, peak = step(compiled)
-        worst = max(worst, peak)
-        print(f"  step {i + 1}: loss {loss:.4f}, measured peak {format_bytes(peak)} "
-              f"({'<=' if peak <= budget else '>'} budget {format_bytes(budget)})")
-    sqrt_n = SqrtNCheckpointed(model, "blocks")
-    _, sqrt_peak = step(_WithLoss(sqrt_n))
-    print(f"\nsqrt(N) checkpointing ({sqrt_n.segments} segments of {len(model.blocks)} blocks): "
-          f"peak {format_bytes(sqrt_peak)}")
-    print(f"autorecompute: peak {format_bytes(worst)} at budget {format_bytes(budget)}, "
-          f"{100 * compiled.plan.extra_flops_ratio:.0f}% extra forward FLOPs")
-    ok = worst <= budget
-    print("OK: measured peak <= budget" if ok else "FAILED: measured peak above budget")
-    return 0 if ok else 1
+    return run(args.steps, args.solver_time_limit)
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    import autorecompute
     from autorecompute.report import SAVE_FORMATS
 
     def fail(message: str, code: int = 2) -> int:
@@ -99,6 +37,15 @@ def plan_command(args: argparse.Namespace) -> int:
         return fail(f"--out {args.out!r}: a plan is saved as {', '.join(SAVE_FORMATS)}")
     if args.out and not Path(args.out).resolve().parent.is_dir():
         return fail(f"--out {args.out!r}: the directory {str(Path(args.out).resolve().parent)!r} does not exist")
+    try:
+        for spec in args.input_shape or ():
+            _parse_input(spec)                 # a mistake is told before the model is built
+    except ValueError as error:
+        return fail(str(error))
+    import torch
+
+    import autorecompute
+
     sys.path.insert(0, ".")
     try:
         factory = getattr(importlib.import_module(module_name), factory_name)
@@ -114,25 +61,19 @@ def plan_command(args: argparse.Namespace) -> int:
     if not isinstance(model, torch.nn.Module):
         return fail(f"{args.factory}() returned {type(model).__name__} where a torch.nn.Module was expected; "
                     "return a model, or (model, example inputs)")
-    if args.input_shape is not None:
+    if args.input_shape:
+        device = next((p.device for p in model.parameters()), None)
         try:
-            shape = [int(s) for s in args.input_shape.split(",")]
-        except ValueError:
-            shape = []
-        if not shape or any(not 0 < size < 2**40 for size in shape):
-            return fail(f"--input-shape {args.input_shape!r}: expected comma-separated positive sizes, e.g. "
-                        "8,3,224,224")
-        try:
-            example = (torch.randn(*shape),)
-        except RuntimeError as error:     # more than this machine holds: plan on the meta device instead
-            return fail(f"--input-shape {args.input_shape!r}: {str(error).splitlines()[0]}. Fix: return a model and "
-                        "inputs on the meta device from the factory (planning allocates nothing)")
-    if example is None:
+            example, keywords = make_inputs(args.input_shape, device)
+        except ValueError as error:
+            return fail(str(error))
+    elif example is None:
         return fail("the factory returned no inputs; pass --input-shape")
-    example = example if isinstance(example, tuple) else (example,)
+    else:
+        example, keywords = (example if isinstance(example, tuple) else (example,)), {}
     try:
-        plan = autorecompute.plan(model, *example, budget=args.budget, solver_time_limit=args.solver_time_limit,
-                                  actions=_names(args.actions),
+        plan = autorecompute.plan(model, *example, **keywords, budget=args.budget,
+                                  solver_time_limit=args.solver_time_limit, actions=_names(args.actions),
                                   compress_dtypes=(None if args.compress_dtypes is None
                                                    else _names(args.compress_dtypes)),
                                   objective=args.objective)
@@ -147,6 +88,68 @@ def plan_command(args: argparse.Namespace) -> int:
                         1)
         print(f"wrote {args.out}")
     return 0
+
+
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def make_inputs(specs: list[str], device=None) -> tuple[tuple, dict]:
+    """Inputs from ``--input-shape`` specs ([NAME=]SIZES[:DTYPE[:HIGH]]): positional ones in order, named
+    ones as keywords. Floats are drawn from a normal distribution, integers uniformly below HIGH (required:
+    a token id past the vocabulary fails in the model, not here), bools as coin flips.
+
+    Example:
+        >>> args, kwargs = make_inputs(["2,3", "labels=2,5:int64:7"])
+        >>> args[0].shape, kwargs["labels"].dtype, int(kwargs["labels"].max()) < 7
+        (torch.Size([2, 3]), torch.int64, True)
+    """
+    import torch
+
+    args, kwargs = [], {}
+    for spec in specs:
+        name, sizes, dtype, high = _parse_input(spec)
+        kind = getattr(torch, dtype)
+        try:
+            if kind.is_floating_point:
+                value = torch.randn(*sizes, dtype=kind, device=device)
+            else:
+                value = torch.randint(0, high, sizes, dtype=kind, device=device)
+        except RuntimeError as error:     # more than this machine holds: plan on the meta device instead
+            raise ValueError(f"--input-shape {spec!r}: {str(error).splitlines()[0]}. Fix: return a model on the meta "
+                             "device from the factory (its inputs are made there; planning allocates nothing)") from None
+        if name:
+            kwargs[name] = value
+        else:
+            args.append(value)
+    return tuple(args), kwargs
+
+
+def _parse_input(spec: str) -> tuple[str, list[int], str, int]:
+    """``[NAME=]SIZES[:DTYPE[:HIGH]]`` → name ("" for a positional input), sizes, dtype name, HIGH."""
+    form = "expected [NAME=]SIZES[:DTYPE[:HIGH]] with comma-separated positive sizes, e.g. 8,3,224,224 or " \
+           "input_ids=8,1024:int64:50257"
+    name, _, rest = spec.rpartition("=")
+    sizes_text, dtype, high_text = (rest.split(":") + ["", ""])[:3] if rest.count(":") <= 2 else ("", "", "")
+    try:
+        sizes = [int(s) for s in sizes_text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(not 0 < size < 2**40 for size in sizes) or not (name.isidentifier() or not name):
+        raise ValueError(f"--input-shape {spec!r}: {form}")
+    dtype = dtype or "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"--input-shape {spec!r}: unknown dtype {dtype!r}; one of {', '.join(DTYPES)}")
+    integer = dtype not in DTYPES[:4]
+    if integer and dtype != "bool" and not high_text:
+        raise ValueError(f"--input-shape {spec!r}: {dtype} inputs need HIGH, the bound their values stay below "
+                         f"(a vocabulary size): {sizes_text}:{dtype}:HIGH")
+    if high_text and not integer:
+        raise ValueError(f"--input-shape {spec!r}: HIGH is for integer inputs; {dtype} is drawn from a normal "
+                         "distribution")
+    high = 2 if dtype == "bool" else int(high_text) if high_text.isdigit() and int(high_text) > 0 else 0
+    if integer and high < 1:
+        raise ValueError(f"--input-shape {spec!r}: HIGH {high_text!r} must be a positive whole number")
+    return name, sizes, dtype, high
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -189,6 +192,7 @@ def seconds_arg(text: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="autorecompute", description="Fit PyTorch training into a memory budget.")
+    parser.add_argument("--version", action="version", version=f"autorecompute {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help=DEMO_HELP, description=DEMO_HELP)
     d.add_argument("--steps", type=steps_arg, default=3, help="training steps to measure (at least 1)")
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("factory")
     p.add_argument("--budget", required=True, type=budget_arg,
                    help="bytes, '12GB', '1.5GiB', or a fraction of the unoptimized peak like 0.5")
-    p.add_argument("--input-shape", help="comma-separated shape of one float input, e.g. 8,3,224,224")
+    p.add_argument("--input-shape", action="append", metavar="[NAME=]SIZES[:DTYPE[:HIGH]]", help=INPUT_HELP)
     p.add_argument("--out", help="also write the plan: .html (one page), .json, .dot, .svg or .png (timeline)")
     p.add_argument("--solver-time-limit", type=seconds_arg, default=8.0)
     p.add_argument("--actions", default="recompute,offload",

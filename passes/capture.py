@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
 import operator
 import os
@@ -53,7 +54,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     _refuse_cumulative_batch_norm(model)
     _warn_of_hooks(model)
     try:
-        with _eager_mask_decisions(model, args, kwargs), _quiet_fake_tensor_log(), \
+        with _eager_mask_decisions(model, args, kwargs), _quiet_export_diagnostics(), \
                 _autograd_functions_applied() as functions:
             exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except Exception as exc:  # export raises many types; all mean "cannot capture"
@@ -105,16 +106,38 @@ def _refuse_custom_backward(model: torch.nn.Module, functions: set) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_fake_tensor_log() -> Iterator[None]:
-    """FakeTensor logs the traceback of a failing op's meta kernel at ERROR level before raising it; the
-    CaptureError says what failed and where, once."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+def _quiet_export_diagnostics() -> Iterator[None]:
+    """What export prints while it traces (FakeTensor's tracebacks of a failing meta kernel, symbolic shapes'
+    warnings, the partial FX graph of a failed export printed to stderr, twice) is held back and shown only
+    when the export succeeds: on failure the CaptureError says what failed and where, once."""
+    loggers = [logging.getLogger(name) for name in _EXPORT_LOGGERS]
+    held = _HeldRecords()
+    saved = [(logger.propagate, logger.handlers) for logger in loggers]
+    for logger in loggers:
+        logger.propagate, logger.handlers = False, [held]
+    printed = io.StringIO()
     try:
-        yield
+        with contextlib.redirect_stderr(printed):
+            yield
     finally:
-        logger.setLevel(level)
+        for logger, (propagate, handlers) in zip(loggers, saved):
+            logger.propagate, logger.handlers = propagate, handlers
+    for record in held.records:          # reached only when the export succeeded
+        if record.name != "torch._subclasses.fake_tensor":     # (its tracebacks are of ops export retried)
+            logging.getLogger(record.name).handle(record)
+    sys.stderr.write(printed.getvalue())
+
+
+_EXPORT_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")
+
+
+class _HeldRecords(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 def _capture_failure(model: torch.nn.Module, exc: Exception) -> str:

@@ -1005,3 +1005,18 @@ def test_torch_compile_over_a_compiled_module_plans_outside_dynamo():
     case.model(*case.args).sum().backward()
     assert compiled.plan is not None and compiled.plan.count("recompute") > 0
     assert all(torch.equal(grads[n], p.grad) for n, p in case.model.named_parameters())
+
+
+def test_compress_dtypes_are_named_or_given_as_torch_dtypes():
+    """``compress_dtypes=(torch.bfloat16,)`` is the codec "bfloat16" (it was refused: only names were read)."""
+    from autorecompute.api import _options
+
+    def chosen(dtypes):
+        return _options(("compress",), dtypes, None, None, 1.0, 0, "time").compress_dtypes
+
+    assert chosen((torch.bfloat16, "int8")) == ("bfloat16", "int8")
+    assert chosen([torch.float8_e4m3fn, torch.float16]) == ("float8", "float16")
+    assert chosen({torch.int8, torch.float16}) == ("float16", "int8")
+    assert chosen(torch.bfloat16) == ("bfloat16",)
+    with pytest.raises(ValueError, match=r"unknown \['float32'\]; accepted compress dtypes"):
+        chosen((torch.float32,))

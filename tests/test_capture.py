@@ -493,3 +493,16 @@ def test_a_plan_keeps_the_softmax_backward_in_place_only_where_its_budget_needs_
         assert ours.peak <= compiled.plan.budget and ours.peak == compiled.plan.predicted_peak
         assert_bitwise_equal(eager, ours)
         assert autorecompute.Plan.from_json(compiled.plan.to_json()) == compiled.plan
+
+
+def test_a_failed_capture_prints_nothing_beside_its_error(capfd):
+    """export prints the partial FX graph to stderr (twice) and symbolic shapes log a warning before raising;
+    the CaptureError names the construct and the line, so those are held back."""
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            return x if x.sum() > 0 else -x
+
+    with pytest.raises(autorecompute.CaptureError, match="could not capture Branchy"):
+        capture(Branchy(), (torch.randn(4, 4),), {})
+    captured = capfd.readouterr()
+    assert captured.err == "" and captured.out == ""

@@ -86,7 +86,12 @@ def test_plan_command_actions_and_bad_dtype(user_models, capsys):
     (["plan", "user_models:nope", "--budget", "0.8"], "cannot load 'user_models:nope'"),
     (["plan", "no_such_module:make", "--budget", "0.8"], "cannot load 'no_such_module:make'"),
     (["plan", "user_models_broken:broken", "--budget", "0.8"], "user_models_broken:broken() raised RuntimeError: boom"),
-    (["plan", "user_models:make", "--budget", "0.8", "--input-shape", "512x256"], "expected comma-separated"),
+    (["plan", "user_models:make", "--budget", "0.8", "--input-shape", "512x256"], "comma-separated positive sizes"),
+    (["plan", "user_models:make", "--budget", "0.8", "--input-shape", "8,16:int64"], "int64 inputs need HIGH"),
+    (["plan", "user_models:make", "--budget", "0.8", "--input-shape", "8,16:float32:9"], "HIGH is for integer"),
+    (["plan", "user_models:make", "--budget", "0.8", "--input-shape", "8,16:complex64"], "unknown dtype"),
+    (["plan", "user_models:make", "--budget", "0.8", "--input-shape", "8,16:int64:0"], "positive whole number"),
+    (["plan", "user_models:make", "--budget", "0.8", "--input-shape", "not a name=8"], "[NAME=]SIZES"),
     (["plan", "user_models:make", "--budget", "0.8", "--input-shape=-1,64"], "positive sizes"),
     (["plan", "user_models:make", "--budget", "0.8", "--input-shape", ""], "positive sizes"),   # not ignored
     (["plan", ":make", "--budget", "0.8"], "expected MODULE:FACTORY"),
@@ -130,3 +135,40 @@ def test_python_dash_m_autorecompute_runs_the_command_line():
     result = subprocess.run([sys.executable, "-m", "autorecompute", "--help"], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0 and "demo" in result.stdout and "plan" in result.stdout
+
+
+TOKEN_MODELS = textwrap.dedent("""
+    import torch
+    class Tagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(100, 32)
+            self.body = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 100))
+        def forward(self, input_ids, features, labels=None):
+            logits = self.body(self.embed(input_ids) + features)
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    def make():
+        return Tagger()
+""")
+
+
+def test_input_shapes_make_token_ids_several_inputs_and_keywords(user_models, capsys):
+    """Token ids below a vocabulary, a second positional input and a keyword input, made for a factory that
+    returns a model alone."""
+    (user_models / "token_models.py").write_text(TOKEN_MODELS)
+    assert main(["plan", "token_models:make", "--budget", "0.9", "--solver-time-limit", "1",
+                 "--input-shape", "4,16:int64:100", "--input-shape", "4,16,32",
+                 "--input-shape", "labels=4,16:int64:100"]) == 0
+    assert "(int64[4, 16]@cpu, float32[4, 16, 32]@cpu, labels=int64[4, 16]@cpu)" in capsys.readouterr().out
+
+
+def test_version_and_usage_errors_answer_without_loading_torch():
+    """``--version``, ``--help`` and a usage error import neither torch nor the planner (they answer at once)."""
+    script = ("import sys; from autorecompute.cli import main\n"
+              "for argv in (['--version'], ['plan', '--help'], ['plan', 'm:f', '--budget', 'x']):\n"
+              "    try: main(argv)\n"
+              "    except SystemExit: pass\n"
+              "assert 'torch' not in sys.modules, 'torch imported'\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("autorecompute ") and "accepted budgets" in done.stderr

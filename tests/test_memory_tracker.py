@@ -175,3 +175,24 @@ def test_plans_at_their_minimum_hold_where_kernels_return_larger_storages(name):
     result = measured_step(compiled, model, args, {}, seed=1)
     assert result.peak <= lowest < eager.peak
     assert all(torch.equal(eager.grads[n], result.grads[n]) for n in eager.grads)
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_measure_peak_is_the_number_the_tests_hold_against_budgets(name):
+    """``autorecompute.measure_peak`` around a user's own step equals the harness's measured peak, for an eager
+    step and a planned one (what users call to check the promise is what the tests check it with)."""
+    from harness import measured_step
+
+    import models
+
+    case = models.make(name)
+    compiled = autorecompute.compile(case.model, budget=0.6, solver_time_limit=SOLVER_TIME)
+    for module in (case.model, compiled):
+        expected = measured_step(module, case.model, case.args, case.kwargs).peak
+        case.model.zero_grad(set_to_none=True)
+
+        def step():
+            out = module(*case.args, **case.kwargs)
+            out.backward(torch.ones_like(out))
+        memory = autorecompute.measure_peak(step, case.model, case.args, case.kwargs)
+        assert memory.peak == expected and memory.resident > 0

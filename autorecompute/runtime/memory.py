@@ -254,3 +254,53 @@ def measure_step(module: torch.nn.Module, args: tuple, kwargs: dict | None = Non
         outputs = step(module, args, kwargs)
         del outputs
     return StepMemory(resident=resident, tracked_peak=tracker.peak)
+
+
+def measure_peak(step: Callable[[], Any], *state: Any) -> StepMemory:
+    """Runs ``step()`` once and measures its memory as a budget counts it: what ``state`` holds before the
+    step (modules: their parameters, buffers and existing gradients; tensors and containers of them: the
+    batch) plus the highest bytes the step's own tensors reach, forward and backward and whatever the caller's
+    code does between them (a loss over the logits, an optimizer step).
+
+    On CPU (and fake or meta tensors) the step's tensors are counted by a :class:`LiveStorageTracker`; on
+    CUDA the caching allocator's ``max_memory_allocated`` is read instead, and ``resident`` is everything
+    allocated on the device before the step (optimizer state and workspaces included), as the budget counts
+    it there.
+
+    Example:
+        >>> model = torch.nn.Linear(512, 512)
+        >>> batch = torch.randn(64, 512)
+        >>> memory = measure_peak(lambda: model(batch).sum().backward(), model, batch)
+        >>> memory.resident == 4 * (512 * 512 + 512 + 64 * 512)
+        True
+        >>> memory.peak > memory.resident
+        True
+    """
+    flat = [*_state_tensors(state)]
+    cuda = sorted({t.device for t in flat if t.device.type == "cuda"}, key=str)
+    if cuda:
+        return _measure_on_cuda(step, cuda[0])
+    tracker = LiveStorageTracker()
+    resident = tensor_bytes(flat)
+    with tracker:
+        step()
+    return StepMemory(resident=resident, tracked_peak=tracker.peak)
+
+
+def _state_tensors(state: Iterable[Any]):
+    """The tensors behind ``state``: a module's parameters, buffers and gradients; tensors in pytrees."""
+    for item in state:
+        if isinstance(item, torch.nn.Module):
+            params = list(item.parameters())
+            yield from (*params, *item.buffers(), *(p.grad for p in params if p.grad is not None))
+        else:
+            yield from (t for t in tree_flatten(item)[0] if isinstance(t, torch.Tensor))
+
+
+def _measure_on_cuda(step: Callable[[], Any], device: torch.device) -> StepMemory:
+    torch.cuda.synchronize(device)
+    resident = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return StepMemory(resident=resident, tracked_peak=torch.cuda.max_memory_allocated(device) - resident)
