@@ -11,6 +11,7 @@ bytes, module path, FLOPs).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
@@ -21,6 +22,48 @@ from autorecompute.problem import GRADIENT
 # 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``; 2: ``stash``
 SCHEMA_VERSION = 9
 ACTIONS = ("keep", "recompute", "rematerialize", "offload", "compress")
+
+# What happens to a tensor autograd holds for backward, in the words every view of a plan uses (summary,
+# table, HTML page, graph, timeline), and what each means; an action's variant ("offload:late",
+# "compress:bfloat16", "rematerialize:chain") is the way it is done.
+FATES = {
+    "kept": "stays on the device from forward to its backward",
+    "recomputed": "dropped after forward; its checkpointed region of ops runs again in backward",
+    "rematerialized": "dropped after forward; made again alone, by its own op or a short chain, when backward "
+                      "needs it",
+    "offloaded": "copied off the device (host memory or disk) after forward and back for backward",
+    "compressed": "held in a smaller dtype until backward decodes it",
+}
+NOTHING_HELD = "nothing held"       # an op none of whose tensors autograd keeps (views, temporaries)
+_FATE_OF_ACTION = {"keep": "kept", "recompute": "recomputed", "rematerialize": "rematerialized",
+                   "offload": "offloaded", "compress": "compressed"}
+
+
+def fate(action: str) -> str:
+    """The word for an action: ``fate("offload:late") == "offloaded"``, ``fate("compress:bfloat16") ==
+    "compressed"``."""
+    return _FATE_OF_ACTION[action.split(":")[0]]
+
+
+_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
+             "float32": 4, "float64": 8, "complex64": 8, "complex128": 16}
+
+
+def tensor_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes a dense tensor of ``shape`` and ``dtype`` holds (0 for an op that makes no tensor)."""
+    if not dtype:
+        return 0
+    size = _ITEMSIZE.get(dtype) or (1 if dtype.startswith("float8") else 0)
+    if not size:
+        try:
+            import torch
+            size = getattr(torch, dtype).itemsize
+        except (ImportError, AttributeError):
+            return 0
+    count = 1
+    for extent in shape:
+        count *= extent
+    return count * size
 
 
 @dataclass(frozen=True)
@@ -63,12 +106,19 @@ class StashRecord:
 
 @dataclass(frozen=True)
 class NodeRecord:
-    """One op of the plan, for people: what it makes and where it comes from."""
+    """One op of the plan, for people: what it makes and where it comes from.
+
+    ``shape`` and ``dtype`` are its (first) output's; ``nbytes`` is every storage the op allocates in forward:
+    its outputs and the tensors it makes inside and keeps for backward (a dropout's mask, a norm's statistics,
+    a loss's log-softmax), so a scalar loss allocates far more than the 4 bytes its output holds
+    (:func:`tensor_bytes` of the shape is those); 0 for a view. ``held_bytes`` is what of it autograd keeps
+    for backward when everything is kept: what a plan acts on.
+    """
 
     shape: tuple[int, ...]
     dtype: str
-    nbytes: int          # bytes the op allocates in forward
-    held_bytes: int      # of those, bytes autograd keeps for backward when everything is kept
+    nbytes: int
+    held_bytes: int
     flops: int
     module: str
 
@@ -182,37 +232,89 @@ class Plan:
                 *sorted(stashed - set(self.nodes) - set(self.decisions))]
 
     def table(self) -> list[dict[str, Any]]:
-        """One row per op the plan decides or holds activations of, in graph order: name, module, shape,
-        dtype, bytes, held bytes (what autograd keeps of it when nothing is recomputed), FLOPs, action, and
-        why."""
-        rows = []
-        for name in self._ops():
-            action = self.action_of(name)
-            node = self.nodes.get(name) or NodeRecord((), "", 0, 0, 0, "")
-            rows.append({"name": name, "action": action, "module": node.module, "shape": tuple(node.shape),
-                         "dtype": node.dtype, "bytes": node.nbytes, "held_bytes": node.held_bytes,
-                         "flops": node.flops, "why": _why(action, node, name in self.at_peak, self._stashed_of(name))
-                         + ("; begins a region of its own" if name in self.region_starts else "")
-                         + (" that makes its inputs from the region before again" if name in self.region_remakes
-                            else "")})
-        return rows
+        """One row per op the plan decides or holds activations of, in graph order.
+
+        Keys: ``name``, ``module``, ``shape``, ``dtype``; ``tensor_bytes`` (what its output tensor holds: 4 for
+        a float32 scalar), ``bytes`` (every storage the op allocates, see :class:`NodeRecord`; 0 for a view),
+        ``held_bytes`` (what autograd keeps of it for backward when nothing is recomputed); ``action`` (the
+        plan's: "keep", "recompute", its tensors' stash actions joined by "+"); ``fates`` (the words of
+        :data:`FATES` for what happens to what it holds, empty when it holds nothing and is not recomputed)
+        and ``held_by`` (fate → bytes: the split of ``held_bytes`` that :meth:`fates` totals); ``flops``;
+        ``why``."""
+        return [self._row(name) for name in self._ops()]
+
+    def _row(self, name: str) -> dict[str, Any]:
+        action = self.action_of(name)
+        node = self.nodes.get(name) or NodeRecord((), "", 0, 0, 0, "")
+        held_by = self._held_by_fate(name)
+        why = (_why(action, node, name in self.at_peak, self._stashed_of(name), held_by.get("kept", 0))
+               + ("; begins a region of its own" if name in self.region_starts else "")
+               + (" that makes its inputs from the region before again" if name in self.region_remakes else ""))
+        return {"name": name, "action": action, "module": node.module, "shape": tuple(node.shape),
+                "dtype": node.dtype, "tensor_bytes": tensor_bytes(tuple(node.shape), node.dtype),
+                "bytes": node.nbytes, "held_bytes": node.held_bytes, "fates": tuple(held_by), "held_by": held_by,
+                "flops": node.flops, "why": why}
+
+    def _held_by_fate(self, op: str) -> dict[str, int]:
+        """The bytes ``op`` holds for backward by what happens to them: each stashed tensor's bytes under its
+        fate (a compressed one's whole size: its smaller copy is what is left of it), the rest recomputed or
+        kept as the op is decided. A recomputed op is listed first (holding nothing, with 0), kept last."""
+        held = self.nodes[op].held_bytes if op in self.nodes else 0
+        recomputed = self.decisions.get(op) == "recompute"
+        split = {"recomputed": 0} if recomputed else {}
+        for record in self._stashed_of(op):
+            word = fate(record.action)
+            split[word] = split.get(word, 0) + record.nbytes
+            held -= record.nbytes
+        if held > 0 or recomputed:
+            rest = "recomputed" if recomputed else "kept"
+            split[rest] = split.get(rest, 0) + max(0, held)
+        return split
 
     def _stashed_of(self, op: str) -> list[StashRecord]:
         return [r for r in self.stash.values() if r.owner == op]
+
+    def _held_split(self, op: str) -> dict[str, int]:
+        """The bytes ``op`` holds for backward by the action that takes them: each stash action the bytes it
+        takes off the device, the rest "recompute" or "keep" as the op is decided (a compressed copy's bytes
+        stay on the device: kept)."""
+        split: dict[str, int] = {}
+        held = self.nodes[op].held_bytes if op in self.nodes else 0
+        for record in self._stashed_of(op):
+            split[record.action] = split.get(record.action, 0) + record.saved_bytes
+            held -= record.saved_bytes
+        rest = "recompute" if self.decisions.get(op) == "recompute" else "keep"
+        split[rest] = split.get(rest, 0) + max(0, held)
+        return split
 
     def bytes_by_action(self) -> dict[str, int]:
         """Bytes of activations each action takes off the device between forward and backward: recomputed,
         offloaded, saved by each compression dtype; ``keep``: what stays held on the device."""
         totals: dict[str, int] = {}
         for name in self._ops():
-            action = self.decisions.get(name, "keep")
-            held = self.nodes[name].held_bytes if name in self.nodes else 0
-            for record in self._stashed_of(name):
-                totals[record.action] = totals.get(record.action, 0) + record.saved_bytes
-                held -= record.saved_bytes
-            rest = "recompute" if action == "recompute" else "keep"
-            totals[rest] = totals.get(rest, 0) + max(0, held)
+            for action, nbytes in self._held_split(name).items():
+                totals[action] = totals.get(action, 0) + nbytes
         return totals
+
+    def fates(self) -> dict[str, dict[str, int]]:
+        """For each word of :data:`FATES`: ``bytes`` held for backward that it happens to (compressed: the
+        tensors' whole size), ``ops`` (rows of :meth:`table` it names) and ``tensors`` (stashed tensors; 0 for
+        kept and recomputed, decided per op). What the summary's lines say; the bytes add up to what autograd
+        holds with nothing recomputed."""
+        stats = {word: {"bytes": 0, "ops": 0, "tensors": 0} for word in FATES}
+        for row in self.table():
+            for word, nbytes in row["held_by"].items():
+                stats[word]["bytes"] += nbytes
+                stats[word]["ops"] += 1
+        for name, record in self.stash.items():
+            if not name.startswith(GRADIENT):
+                stats[fate(record.action)]["tensors"] += 1
+        return stats
+
+    def rematerialize_flops(self) -> int:
+        """Of :attr:`extra_flops`, those the rematerialized tensors' recipes run (the rest: recomputed regions)."""
+        return sum(self.nodes[op].flops for record in self.stash.values()
+                   if record.action.startswith("rematerialize") for op in record.recipe if op in self.nodes)
 
     # ---- serialization -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -265,6 +367,8 @@ class Plan:
 
     # ---- reading ---------------------------------------------------------------------------------------
     def summary(self) -> str:
+        """What the plan does, in the words of :data:`FATES`: the lines' counts and bytes are
+        :meth:`fates`, the totals of :meth:`table`'s rows."""
         fits = "fits" if self.predicted_peak <= self.budget else "OVER BUDGET"
         return "\n".join([
             f"autorecompute plan for {self.model_name or 'model'} {self.signature}",
@@ -273,18 +377,72 @@ class Plan:
             f"  baseline peak   {format_bytes(self.baseline_peak):>12}   minimum peak   "
             f"{format_bytes(self.minimum_peak)}",
             "  resident        " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.resident.items() if v),
-            f"  recompute       {self.count('recompute')} of {len(self.decisions)} ops",
-            # (rematerializations run ops again too: the FLOPs are the plan's, not the recompute line's)
-            f"  extra FLOPs     {self.extra_flops:.3g} ({100 * self.extra_flops_ratio:.1f}% of forward)",
-            f"  extra time      {1e3 * self.extra_seconds:.3g} ms a step, as the cost model prices it",
-            *self._stash_lines(),
-            "  activation bytes off the device by action: " + ", ".join(
-                f"{action} {format_bytes(n)}" for action, n in sorted(self.bytes_by_action().items())),
+            *self._fate_lines(),
+            *self._gradient_lines(),
+            *self._cost_lines(),
             f"  solver          {self.solver_status} (least extra {self.objective}), {self.solver_time:.2f} s, "
             # a gap of 1: no lower bound above 0 was proven (a plan of the local search or of windows), not a bad plan
             + (f"gap {100 * self.solver_gap:.1f}%" if self.solver_gap < 1 else "gap unknown (no lower bound proven)")
             + f"; plan made in {self.plan_time:.2f} s",
         ])
+
+    def _fate_lines(self) -> list[str]:
+        """One line per fate the plan uses (kept always, recomputed when recomputing is allowed)."""
+        rows = self.table()
+        holding = sum(1 for row in rows if row["held_bytes"])
+        off = sum(n for action, n in self.bytes_by_action().items() if action != "keep")
+        lines = [f"  activations     {format_bytes(sum(row['held_bytes'] for row in rows))} held for backward by "
+                 f"{holding} of {len(rows)} ops ({len(rows) - holding} hold nothing); {format_bytes(off)} of it off "
+                 "the device by action:"]
+        for word, stat in self.fates().items():
+            if not stat["ops"] and not stat["tensors"] and word != "kept" \
+                    and not (word == "recomputed" and "recompute" in self.actions):
+                continue
+            ops = plural(stat["ops"], "op")
+            count = (f"{stat['ops']} of {plural(len(self.decisions), 'op')}" if word == "recomputed"
+                     else ops if word == "kept" else f"{plural(stat['tensors'], 'tensor')} of {ops}")
+            lines.append(f"    {word:<14} {format_bytes(stat['bytes']):>11}  {count:<24} {self._fate_detail(word)}")
+        return lines
+
+    def _fate_detail(self, word: str) -> str:
+        """What ``word`` means in this plan, in short, with each stash action's variant and its tensors."""
+        records = [r for name, r in self.stash.items() if not name.startswith(GRADIENT) and fate(r.action) == word]
+        variants = Counter(r.action for r in records)
+        if word == "kept":
+            return "on the device from forward to backward"
+        if word == "recomputed":
+            return "run again in backward by checkpointed regions"
+        how = {"offload": "prefetched before backward needs them", "offload:late": "copied back when backward "
+               "needs them", "rematerialize": "each by its own op", "rematerialize:chain": "by a chain of ops",
+               "rematerialize:through": "from the model's inputs"}
+        parts = [f"{n} {how.get(action, 'as ' + action.split(':')[-1])} ({action})"
+                 for action, n in sorted(variants.items())]
+        if word == "offloaded":
+            return "to host memory or disk: " + ", ".join(parts)
+        if word == "compressed":
+            return (", ".join(parts) + f", held in {format_bytes(sum(r.stored_bytes for r in records))}; expected "
+                    f"error {', '.join(sorted({r.expected_error for r in records}))}")
+        return "made again alone when backward needs them: " + ", ".join(parts)
+
+    def _cost_lines(self) -> list[str]:
+        """The FLOPs and the time the plan adds, side by side, each saying what it counts."""
+        rematerialized = self.rematerialize_flops()
+        parts = [f"{max(0, self.extra_flops - rematerialized):.3g} recomputing"]
+        if self.count("rematerialize"):
+            parts.append(f"{rematerialized:.3g} rematerializing")
+        stats = self.fates()
+        priced = ["ops run again (elementwise ones too)"]
+        copies = [plural(stats["offloaded"]["tensors"], "offloaded tensor")] if stats["offloaded"]["tensors"] else []
+        if self._gradient_records():
+            copies.append(plural(len(self._gradient_records()), "offloaded gradient"))
+        if copies:
+            priced.append(f"the copies of {' and '.join(copies)} that compute does not hide")
+        if stats["compressed"]["tensors"]:
+            priced.append(f"encoding and decoding {plural(stats['compressed']['tensors'], 'compressed tensor')}")
+        return [f"  extra FLOPs     {self.extra_flops:.3g} ({100 * self.extra_flops_ratio:.1f}% of the forward's "
+                f"{self.baseline_flops:.3g}): {', '.join(parts)}; FLOPs of matmuls, convolutions, attention",
+                f"  extra time      {1e3 * self.extra_seconds:.3g} ms a step as the cost model prices it: "
+                + ", ".join(priced)]
 
     def gradients_offloaded(self) -> list[str]:
         """Parameters whose gradient goes to the offload tier from its accumulation to the end of backward."""
@@ -294,20 +452,13 @@ class Plan:
         """The offloaded parameter gradients' records, by parameter name."""
         return {name[len(GRADIENT):]: record for name, record in self.stash.items() if name.startswith(GRADIENT)}
 
-    def _stash_lines(self) -> list[str]:
-        lines = []
-        activations = [r for name, r in self.stash.items() if not name.startswith(GRADIENT)]
-        for action in sorted({r.action for r in activations}):
-            records = [r for r in activations if r.action == action]
-            moved = sum(r.saved_bytes for r in records)
-            lines.append(f"  {action:<15} {len(records)} tensors, {format_bytes(moved)} off the device"
-                         + ("" if records[0].expected_error == "exact" else f"; expected error {records[0].expected_error}"))
+    def _gradient_lines(self) -> list[str]:
         gradients = self._gradient_records()
-        if gradients:
-            lines.append(f"  gradients       {len(gradients)} offloaded from their accumulation to the end of backward, "
-                         f"{format_bytes(sum(r.nbytes for r in gradients.values()))}: "
-                         + ", ".join(list(gradients)[:4]) + (" …" if len(gradients) > 4 else ""))
-        return lines
+        if not gradients:
+            return []
+        return [f"  gradients       {len(gradients)} parameter gradients offloaded from their accumulation to the end "
+                f"of backward, {format_bytes(sum(r.nbytes for r in gradients.values()))}: "
+                + ", ".join(list(gradients)[:4]) + (" …" if len(gradients) > 4 else "")]
 
     def __str__(self) -> str:
         from autorecompute.report import format_table
@@ -317,12 +468,16 @@ class Plan:
     def __repr__(self) -> str:
         # one line (the generated repr spelled out every node record and the timeline: 37 KB on a small GPT-2,
         # so that printing ``compiled.plans`` flooded a terminal); ``str`` and ``summary()`` say the rest
+        stats = self.fates()
+        moved = "".join(f", {plural(stats[word]['tensors'], 'tensor')} {word}" for word in (
+            "rematerialized", "offloaded", "compressed") if stats[word]["tensors"])
         return (f"<Plan for {self.model_name or 'model'} {self.signature}: budget {format_bytes(self.budget)}, "
                 f"predicted peak {format_bytes(self.predicted_peak)}, {self.count('recompute')} of "
-                f"{len(self.decisions)} ops recomputed, {len(self.stash)} tensors stashed>")
+                f"{len(self.decisions)} ops recomputed{moved}"
+                + (f", {len(self._gradient_records())} gradients offloaded" if self._gradient_records() else "") + ">")
 
     def to_dot(self) -> str:
-        """Graphviz DOT of the decided ops: clusters per module, filled by action, bytes on edges, a legend."""
+        """Graphviz DOT of the decided ops: clusters per module, filled by fate, bytes on edges, a legend."""
         from autorecompute.report import plan_to_dot
 
         return plan_to_dot(self)
@@ -344,34 +499,45 @@ class Plan:
         return plot_memory(self, path, ax)
 
 
-def _why(action: str, node: NodeRecord, held_at_peak: bool, stashed: list[StashRecord] = ()) -> str:
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def _why(action: str, node: NodeRecord, held_at_peak: bool, stashed: list[StashRecord] = (), kept: int = 0) -> str:
+    """Why the op's held bytes go where they go, in the words of :data:`FATES`."""
     if stashed:
-        moved = sum(r.saved_bytes for r in stashed)
-        if all(r.action.startswith("offload") for r in stashed):
-            when = "prefetched before backward" if all(r.action == "offload" for r in stashed) \
-                else "copied back when backward needs it"
-            cheaper = f"; cheaper than recomputing {node.flops:.3g} FLOPs" if node.flops else ""
-            return f"offloaded {format_bytes(moved)}, {when}{cheaper}"
-        if all(r.action.startswith("rematerialize") for r in stashed):
-            if all(r.delivered_by for r in stashed):
-                return (f"rematerialized: {format_bytes(moved)} dropped after forward, made again by the recipe "
-                        f"of {', '.join(sorted({r.delivered_by for r in stashed}))} when backward needs it")
-            ops = max(len(r.recipe) for r in stashed)
-            how = "its op" if ops <= 1 else f"{ops} ops"
-            also = sorted({d for r in stashed for d in r.delivers})
-            inputs = "the model's inputs" if any(r.action == "rematerialize:through" for r in stashed) \
-                else "held inputs"
-            return (f"rematerialized: {format_bytes(moved)} dropped after forward, {how} run again on {inputs} "
-                    f"when backward needs it" + (f" (making {', '.join(also)} again too)" if also else ""))
-        return f"compressed: {format_bytes(moved)} off the device until backward ({stashed[0].expected_error})"
+        return _why_stashed(node, stashed) + (f"; {format_bytes(kept)} more kept" if kept else "")
     if action == "recompute":
         if node.held_bytes == 0:
-            return "holds nothing itself: recomputed to rebuild a later op's input"
+            return "recomputed: holds nothing itself, run again in its region to rebuild a later op's input"
         if node.flops == 0:
-            return f"frees {format_bytes(node.held_bytes)}, no FLOPs (memory-bound op)"
-        return f"frees {format_bytes(node.held_bytes)}, {node.held_bytes / node.flops:.3g} B per extra FLOP"
+            return f"recomputed: frees {format_bytes(node.held_bytes)}, no FLOPs (memory-bound op)"
+        return f"recomputed: frees {format_bytes(node.held_bytes)}, {node.held_bytes / node.flops:.3g} B per extra FLOP"
     if node.held_bytes == 0:
         return "nothing held for backward"
     if held_at_peak:
-        return f"needed at peak: {format_bytes(node.held_bytes)} held, cheaper to keep than to recompute"
+        return f"kept: needed at peak, {format_bytes(node.held_bytes)} held, cheaper to keep than to recompute"
     return f"kept: {format_bytes(node.held_bytes)} not held at the peak"
+
+
+def _why_stashed(node: NodeRecord, stashed: list[StashRecord]) -> str:
+    moved = sum(r.saved_bytes for r in stashed)
+    if all(r.action.startswith("offload") for r in stashed):
+        when = "prefetched before backward" if all(r.action == "offload" for r in stashed) \
+            else "copied back when backward needs it"
+        cheaper = f"; cheaper than recomputing {node.flops:.3g} FLOPs" if node.flops else ""
+        return f"offloaded: {format_bytes(moved)} off the device, {when}{cheaper}"
+    if all(r.action.startswith("rematerialize") for r in stashed):
+        if all(r.delivered_by for r in stashed):
+            return (f"rematerialized: {format_bytes(moved)} dropped after forward, made again by the recipe "
+                    f"of {', '.join(sorted({r.delivered_by for r in stashed}))} when backward needs it")
+        ops = max(len(r.recipe) for r in stashed)
+        how = "its op" if ops <= 1 else f"{ops} ops"
+        also = sorted({d for r in stashed for d in r.delivers})
+        inputs = "the model's inputs" if any(r.action == "rematerialize:through" for r in stashed) \
+            else "held inputs"
+        return (f"rematerialized: {format_bytes(moved)} dropped after forward, {how} run again on {inputs} "
+                f"when backward needs it" + (f" (making {', '.join(also)} again too)" if also else ""))
+    if all(r.action.startswith("compress") for r in stashed):
+        return f"compressed: {format_bytes(moved)} off the device until backward ({stashed[0].expected_error})"
+    return "; ".join(_why_stashed(node, [r]) for r in stashed)

@@ -136,34 +136,22 @@ def test_a_file_that_is_not_a_plan_is_refused_clearly(text, says):
 
 
 def test_a_scalar_prints_as_a_scalar_and_an_op_without_a_tensor_as_a_dash():
+    """A scalar's output shows the 4 bytes it holds, not what its op allocates; an op without a tensor of its
+    own shows a dash (both hold or recompute something here, so both are listed)."""
     from autorecompute.report import format_table
 
     class Root:
         def table(self):
-            return [{"name": name, "module": "", "shape": (), "dtype": dtype, "bytes": nbytes, "held_bytes": 0,
-                     "action": "keep", "why": "…"} for name, dtype, nbytes in (("cross_entropy_loss", "float32", 4),
-                                                                                ("flatten", "", 0))]
+            return [{"name": name, "module": "", "shape": (), "dtype": dtype, "tensor_bytes": size, "bytes": nbytes,
+                     "held_bytes": held, "action": action, "fates": (word,), "held_by": {word: held}, "why": "…"}
+                    for name, dtype, size, nbytes, held, action, word in (
+                        ("cross_entropy_loss", "float32", 4, 2 << 20, 2 << 20, "keep", "kept"),
+                        ("flatten", "", 0, 0, 0, "recompute", "recomputed"))]
 
-    rows = {line.split()[0]: line.split()[1] for line in format_table(Root()).splitlines() if line.startswith("    ")}
+    lines = [line for line in format_table(Root()).splitlines() if line.startswith("    ")]
+    rows = {line.split()[0]: line.split()[1] for line in lines}
     assert rows == {"cross_entropy_loss": "scalar", "flatten": "-"}
-
-def test_a_deep_model_prints_one_line_per_block():
-    """48 blocks fold into one group (the table stays under MAX_GROUPS): it lists each block's actions on one
-    line instead of six rows and "... 1434 smaller ops"; cut names end in "…"."""
-    from autorecompute.report import format_table
-
-    class Deep:
-        def table(self):
-            return [{"name": f"scaled_dot_product_attention_{layer}_{op}", "module": f"model.layers.{layer}.attn",
-                     "shape": (8, 128, 256), "dtype": "float32", "bytes": 1 << 20, "held_bytes": 1 << 20,
-                     "action": "recompute" if layer % 2 else "keep", "why": "…"}
-                    for layer in range(48) for op in range(30)]
-
-    text = format_table(Deep())
-    assert "model.layers.47 30 ops: recompute 30; 30.00 MiB recomputed" in text
-    assert "model.layers.0 30 ops: keep 30" in text and "smaller ops" not in text
-    assert text.count("\n") < 60
-    assert "scaled_dot_product_atte…" in format_table(type("One", (), {"table": lambda self: Deep().table()[:1]})())
+    assert "scalar float32 4 B" in lines[0] and "2.00 MiB" in lines[0].split("4 B")[1]
 
 
 def test_graph_and_page_show_stash_only_plans_and_every_offloaded_gradient():
