@@ -64,7 +64,7 @@ def _timeline(plan: "Plan") -> str:
         buffer = io.BytesIO()
         ax = plot_memory(plan, ax=_offscreen_axes())
         ax.figure.savefig(buffer, format="png", bbox_inches="tight")
-    except ImportError as exc:
+    except (ImportError, ValueError) as exc:       # no matplotlib; a plan read from a file without a timeline
         return f"<p>(timeline: {html.escape(str(exc))})</p>"
     return ("<h2>Memory over the step</h2><img alt='memory over the step' src='data:image/png;base64,"
             + base64.b64encode(buffer.getvalue()).decode() + "'>")
