@@ -103,6 +103,14 @@ class OverlappingStepsWarning(UserWarning):
     so both forwards' saved activations were on the device at once, which the plan did not count."""
 
 
+class CaptureSideEffectWarning(UserWarning):
+    """Python in ``forward`` did, while the model was captured, what the captured graph does not repeat at
+    each step: it read the clock, changed a module attribute or global that is not a tensor, or advanced a
+    random generator through a call autorecompute could not place. The message names the line and the fix.
+    (A draw from Python's ``random`` or numpy's global generator at a line it can name is a ``CaptureError``:
+    every step would repeat capture's draw, so training would differ.)"""
+
+
 def user_stacklevel(in_backward: bool = False) -> int:
     """The ``stacklevel`` of a warning raised by the caller of this function that names the first frame outside
     autorecompute (its passes included), torch.nn (forward runs under nn.Module's call machinery, one frame

@@ -30,6 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autorecompute.errors import CaptureError, user_stacklevel
 from autorecompute.passes.rewrite_softmax import IN_PLACE
+from autorecompute.passes.side_effects import refuse_or_warn, side_effects_recorded
 from autorecompute.runtime.softmax import AUTOGRAD_SOFTMAX, softmax_backward_in_place
 
 _DROPPED_TARGETS = {
@@ -48,17 +49,22 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
         ['linear.default', 'relu.default']
 
     Raises:
-        CaptureError: when ``torch.export`` cannot trace the model; the message names the construct.
+        CaptureError: when ``torch.export`` cannot trace the model, or its forward draws from Python's random
+            module (the graph would repeat capture's draw); the message names the construct.
+
+    Warns:
+        CaptureSideEffectWarning: forward reads the clock or changes Python state, which no step repeats.
     """
     _refuse_sparse_gradients(model)
     _refuse_cumulative_batch_norm(model)
     _warn_of_hooks(model)
     try:
         with _eager_mask_decisions(model, args, kwargs), _quiet_export_diagnostics(), \
-                _autograd_functions_applied() as functions:
+                _autograd_functions_applied() as functions, side_effects_recorded(model) as side_effects:
             exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except Exception as exc:  # export raises many types; all mean "cannot capture"
         raise CaptureError(_capture_failure(model, exc)) from exc
+    refuse_or_warn(model, side_effects)
     _refuse_custom_backward(model, functions)
     gm = exported.module()
     _refuse_data_dependent_shapes(gm, model)
