@@ -398,6 +398,11 @@ class CompiledModule(torch.nn.Module):
             log.info("planning %s for %s", type(self._model).__name__, signature)
             with torch.random.fork_rng(devices=[]):   # planning must not move the user's RNG stream
                 planned = make_plan(self._model, args, kwargs, self._budget, self._options, signature)
+            # a library can change the model during the capture's forward (transformers installs its output
+            # collecting hooks on the first call with output_router_logits): the plan is for the model as
+            # its next steps find it
+            state = _state_parts(self._model)
+            key = _cache_key(inputs, args, kwargs, _state_hash(*state))
             self._plans[key] = planned
             self._states[key] = state
         self.__dict__["_last"] = planned
@@ -537,12 +542,13 @@ class CompiledModule(torch.nn.Module):
                 PartialBackwardWarning, stacklevel=user_stacklevel())
 
 
-def _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective) -> PlannerOptions:
+def _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective,
+             loss_reserve="auto") -> PlannerOptions:
     return PlannerOptions(actions=_names(actions, "actions", "('recompute', 'offload')"),
                           compress_dtypes=None if compress_dtypes is None else
                           _names(_dtype_names(compress_dtypes), "compress_dtypes", "('bfloat16',) or (torch.bfloat16,)"),
                           offload_dir=offload_dir, transfer=transfer, solver_time_limit=solver_time_limit, seed=seed,
-                          objective=objective)
+                          objective=objective, loss_reserve=loss_reserve)
 
 
 # the torch dtypes a compress codec stores as, by the codec's name
@@ -578,7 +584,7 @@ def _names(value, argument: str, example: str):
 def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple[str, ...] = DEFAULT_ACTIONS,
             compress_dtypes: tuple[str, ...] | None = None, offload_dir: str | None = None,
             transfer: TransferModel | None = None, solver_time_limit: float = 8.0, seed: int = 0,
-            objective: str = "time") -> CompiledModule:
+            objective: str = "time", loss_reserve: int | str = "auto") -> CompiledModule:
     """Wraps ``model`` so each training step fits in ``budget`` bytes, planning lazily per input signature.
 
     Args:
@@ -610,6 +616,12 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
             only where elementwise recomputation is fused away, as under ``torch.compile``); offload
             transfers, where allowed, are priced by the time they expose in both, so a least-FLOPs plan may
             recompute rather than offload where the copy would not be hidden.
+        loss_reserve: bytes your code holds beside the outputs' gradients as backward starts — a loss
+            computed outside the model over its outputs. ``"auto"`` (the default): none when the model
+            returns a scalar loss (or ``outputs["loss"]``), else three float32 tensors of each output's size
+            less the gradient the step counts anyway (cross-entropy's log-softmax, its gradient and the
+            gradient of the logits); ``0`` when the loss is inside the model; an int for another loss.
+            ``plan.loss_reserve`` says what was reserved.
 
     Example:
         >>> import autorecompute, torch
@@ -629,7 +641,8 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
     """
     model = _original(model)
     _warn_if_checkpointing_itself(model, parse_budget(budget))
-    options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
+    options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective,
+                       loss_reserve)
     return CompiledModule(model, budget, options)
 
 
@@ -769,7 +782,7 @@ def _warn_if_checkpointing_itself(model: torch.nn.Module, budget: int | float) -
 def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tuple[str, ...] = DEFAULT_ACTIONS,
          compress_dtypes: tuple[str, ...] | None = None, offload_dir: str | None = None,
          transfer: TransferModel | None = None, solver_time_limit: float = 8.0, seed: int = 0,
-         objective: str = "time", **kwargs) -> Plan:
+         objective: str = "time", loss_reserve: int | str = "auto", **kwargs) -> Plan:
     """Plans ``model`` for the example inputs without running a training step (arguments as :func:`compile`).
 
     Inputs and model may live on the ``meta`` device: planning runs on fake tensors and allocates nothing.
@@ -787,7 +800,8 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
     model = _original(model)
     _check_model_keywords(model, kwargs, plan)
     _warn_if_checkpointing_itself(model, parse_budget(budget))
-    options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective)
+    options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective,
+                       loss_reserve)
     return _plan(model, args, kwargs, budget, options)
 
 
@@ -801,7 +815,7 @@ def _plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options: Pl
 def minimum_peak(model: torch.nn.Module, *args, actions: tuple[str, ...] = DEFAULT_ACTIONS,
                  compress_dtypes: tuple[str, ...] | None = None, offload_dir: str | None = None,
                  transfer: TransferModel | None = None, solver_time_limit: float = 8.0, seed: int = 0,
-                 **kwargs) -> int:
+                 loss_reserve: int | str = "auto", **kwargs) -> int:
     """The least peak, in bytes, that a plan with ``actions`` reaches for one training step of ``model`` on
     the example inputs: the smallest budget :func:`compile` and :func:`plan` accept for them (arguments as
     :func:`compile`; ``InfeasibleBudgetError.breakdown`` says what it is made of).
@@ -824,7 +838,8 @@ def minimum_peak(model: torch.nn.Module, *args, actions: tuple[str, ...] = DEFAU
     """
     model = _original(model)
     _check_model_keywords(model, kwargs, minimum_peak)
-    options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, "time")
+    options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, "time",
+                       loss_reserve)
     try:
         # a 1-byte budget is below any step's: the planner searches its lowest peak, then says what it is
         met = _plan(model, args, kwargs, 1, options)

@@ -49,8 +49,9 @@ class InfeasibleBudgetError(AutorecomputeError, ValueError):
                 fixes.append(f"allow more actions (e.g. actions={tuple(actions) + missing[:1]!r})")
             fixes.append("shrink the batch")
         super().__init__(
-            f"budget {format_bytes(budget)}{f' ({fraction:g} of the unoptimized peak)' if fraction else ''} is "
-            f"below the minimum peak {format_bytes(minimum)} "
+            f"budget {format_bytes(budget)} ({budget} bytes"
+            f"{f', {fraction:g} of the unoptimized peak' if fraction else ''}) is below the minimum peak "
+            f"{format_bytes(minimum)} "
             f"({minimum} bytes) reachable with actions {actions}.\n"
             f"  The minimum peak is made of:\n{rows}\n"
             f"  Fix: {', or '.join(fixes)}.")

@@ -18,9 +18,9 @@ from typing import Any
 from autorecompute.budget import format_bytes
 from autorecompute.problem import GRADIENT
 
-# 9: ``softmax_in_place``; 8: ``extra_seconds``; 7: ``region_remakes``; 6: ``region_starts``; 5: the ``rematerialize:through`` action; 4: the ``rematerialize:chain`` action, ``delivers`` / ``delivered_by``;
+# 10: ``loss_reserve``; 9: ``softmax_in_place``; 8: ``extra_seconds``; 7: ``region_remakes``; 6: ``region_starts``; 5: the ``rematerialize:through`` action; 4: the ``rematerialize:chain`` action, ``delivers`` / ``delivered_by``;
 # 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``; 2: ``stash``
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 ACTIONS = ("keep", "recompute", "rematerialize", "offload", "compress")
 
 # What happens to a tensor autograd holds for backward, in the words every view of a plan uses (summary,
@@ -126,7 +126,7 @@ class NodeRecord:
 # the kinds of Plan.to_json's top-level fields, checked on reading (a damaged file fails there rather than in
 # str(plan); what is inside a field is not checked)
 _JSON_KINDS = {**{name: int for name in ("budget", "predicted_peak", "baseline_peak", "minimum_peak", "model_peak",
-                                          "extra_flops", "baseline_flops", "num_forward")},
+                                          "loss_reserve", "extra_flops", "baseline_flops", "num_forward")},
                **{name: (int, float) for name in ("solver_time", "solver_gap", "plan_time", "extra_seconds")},
                **{name: str for name in ("solver_status", "objective", "model_name", "signature")},
                **{name: dict for name in ("decisions", "resident", "nodes", "timeline", "stash")},
@@ -172,6 +172,8 @@ class Plan:
             the region before it made again (from that region's inputs) instead of holding them.
         softmax_in_place: softmaxes whose backward writes into their incoming gradient (one attention-sized
             tensor less at their backward): those the budget needs; the others run autograd's backward.
+        loss_reserve: bytes held beside the outputs' gradients as backward starts, for a loss the caller
+            computes over the outputs (``compile(..., loss_reserve=)``; 0 in files before 10).
     """
 
     budget: int
@@ -201,6 +203,7 @@ class Plan:
     region_remakes: tuple[str, ...] = ()
     softmax_in_place: tuple[str, ...] = ()
     extra_seconds: float = 0.0
+    loss_reserve: int = 0
 
     # ---- queries -------------------------------------------------------------------------------------
     def count(self, action: str) -> int:
@@ -332,7 +335,7 @@ class Plan:
         if not isinstance(data, dict):
             raise ValueError(f"plan JSON must be an object (what Plan.to_json writes), got a {type(data).__name__}")
         version = data.pop("schema_version", None)
-        if isinstance(version, bool) or version not in (1, 2, 3, 4, 5, 6, 7, 8, SCHEMA_VERSION):
+        if isinstance(version, bool) or version not in range(1, SCHEMA_VERSION + 1):
             raise ValueError(f"plan JSON has schema_version {version!r}; this autorecompute reads "
                              f"1 to {SCHEMA_VERSION}")
         known = {f.name for f in fields(cls)}
@@ -377,6 +380,7 @@ class Plan:
             f"  baseline peak   {format_bytes(self.baseline_peak):>12}   minimum peak   "
             f"{format_bytes(self.minimum_peak)}",
             "  resident        " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.resident.items() if v),
+            *self._reserve_lines(),
             *self._fate_lines(),
             *self._gradient_lines(),
             *self._cost_lines(),
@@ -385,6 +389,12 @@ class Plan:
             + (f"gap {100 * self.solver_gap:.1f}%" if self.solver_gap < 1 else "gap unknown (no lower bound proven)")
             + f"; plan made in {self.plan_time:.2f} s",
         ])
+
+    def _reserve_lines(self) -> list[str]:
+        if not self.loss_reserve:
+            return []
+        return [f"  loss reserve    {format_bytes(self.loss_reserve)} at the start of backward, for a loss computed "
+                "outside the model over its outputs (loss_reserve=0 when the model returns its loss)"]
 
     def _fate_lines(self) -> list[str]:
         """One line per fate the plan uses (kept always, recomputed when recomputing is allowed)."""

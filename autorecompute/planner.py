@@ -38,6 +38,7 @@ from autorecompute.passes.verify import fake_step_memory
 from autorecompute.plan import NodeRecord, Plan, StashRecord
 from autorecompute.problem import GRADIENT, Problem
 from autorecompute.runtime.codecs import CODECS
+from autorecompute.runtime.memory import AUTO
 from autorecompute.runtime.stash import StashedModule, StashRuntime, distributed
 from autorecompute.runtime.tiers import check_writable
 from autorecompute.solvers import cpsat, greedy
@@ -74,6 +75,7 @@ class PlannerOptions:
     offload_dir: str | None = None
     transfer: TransferModel | None = None
     objective: str = "time"
+    loss_reserve: int | str = "auto"
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -118,6 +120,11 @@ class PlannerOptions:
                 or not -2**31 <= self.seed < 2**31:
             raise ValueError(f"seed={self.seed!r} must be an int that fits 32 bits (CP-SAT's random seed)")
         object.__setattr__(self, "seed", int(self.seed))      # a numpy int too (random.Random takes no other)
+        if self.loss_reserve != AUTO and (isinstance(self.loss_reserve, bool) or not isinstance(
+                self.loss_reserve, numbers.Integral) or self.loss_reserve < 0):
+            raise ValueError(f"loss_reserve={self.loss_reserve!r} must be 'auto' (sized from the outputs for a loss "
+                             "computed outside the model), 0 (the model returns its loss) or the bytes the caller's "
+                             "loss holds at the start of backward")
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -243,7 +250,8 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     gm = capture(model, args, kwargs)
     log.debug("capture: %.2f s, %d nodes", time.perf_counter() - started, len(gm.graph.nodes))
     t = time.perf_counter()
-    profile = profile_step(gm, args, kwargs)
+    profile = profile_step(gm, args, kwargs, options.loss_reserve)
+    reserve = profile.loss_reserve
     device_type = _device_type(args, kwargs)
     transfer = options.transfer or default_for(device_type)
     if device_type == "cpu" and transfer.overlaps_compute:
@@ -255,7 +263,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     log.debug("profile + problem: %.2f s, %d ops in chain, %d recomputable, %d activations, %d stashable",
               time.perf_counter() - t, len(problem.chain), len(problem.recomputable), len(problem.activations),
               len(problem.stash_options))
-    baseline_peak = _unoptimized_peak(gm, args, kwargs, profile.peak)
+    baseline_peak = _unoptimized_peak(gm, args, kwargs, profile.peak, reserve)
     budget_bytes = resolve_budget(parsed, baseline_peak)
     runtime = StashRuntime(options.offload_dir) if problem.stash_options else None
 
@@ -278,7 +286,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
             recipes = {name: option.recipe for name, option in chosen.items() if option.recipe}
             delivers = {name: option.delivers for name, option in chosen.items() if option.delivers}
             candidate = StashedModule(rewrite_stash(candidate, stash, prefetch, runtime, recipes, delivers))
-        return candidate, fake_step_memory(candidate, args, kwargs).peak
+        return candidate, fake_step_memory(candidate, args, kwargs, reserve).peak
 
     # 1. The lowest peak reachable: the minimum budget, the fallback, and the hint of the cost solve.
     t = time.perf_counter()
@@ -458,7 +466,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
                 raise infeasible()
             status, gap = "fallback (minimum-peak plan)", lowest["gap"]
     solve_time = lowest["time"] + cost_solve_time
-    softmax_in_place, peak = _softmax_in_place(module, args, kwargs, budget_bytes, peak)
+    softmax_in_place, peak = _softmax_in_place(module, args, kwargs, budget_bytes, peak, reserve)
     # the lowest verified minimum-peak plan, the latest one (model estimate) if not verified, the plan itself
     minimum_peak = min([entry[1] for entry in verified_minimum] + [peak]
                        + ([] if lowest["verified"] else [lowest["peak"]]))
@@ -468,7 +476,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
         budget=budget_bytes, predicted_peak=peak, baseline_peak=baseline_peak, minimum_peak=minimum_peak,
         model_peak=predicted_peak(problem, recompute, stash), decisions=_decisions(problem, recompute),
         region_starts=_region_starts(problem, recompute), region_remakes=_region_remakes(problem, recompute),
-        softmax_in_place=softmax_in_place,
+        softmax_in_place=softmax_in_place, loss_reserve=reserve,
         extra_flops=extra_flops(problem, recompute, stash), baseline_flops=sum(problem.flops.values()),
         solver_status=status, solver_time=solve_time, solver_gap=gap,
         plan_time=time.perf_counter() - started, actions=options.actions, objective=options.objective, resident=dict(profile.resident),
@@ -485,7 +493,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     return Planned(plan=plan, module=module)
 
 
-def _unoptimized_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, profiled: int) -> int:
+def _unoptimized_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, profiled: int, reserve: int) -> int:
     """The step's peak as eager runs it, which fractional budgets are fractions of: the profile's, or, where
     capture wrote softmax backwards into their gradients (the profile's step), the step measured with
     autograd's."""
@@ -494,13 +502,13 @@ def _unoptimized_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, profi
         return profiled
     rewrite_softmax(gm, in_place=())
     try:
-        return max(profiled, fake_step_memory(gm, args, kwargs).peak)
+        return max(profiled, fake_step_memory(gm, args, kwargs, reserve).peak)
     finally:
         rewrite_softmax(gm, in_place=names)
 
 
 def _softmax_in_place(module: torch.nn.Module, args: tuple, kwargs: dict, budget: int,
-                      peak: int) -> tuple[tuple[str, ...], int]:
+                      peak: int, reserve: int) -> tuple[tuple[str, ...], int]:
     """(the softmaxes whose backward stays written into their gradient, the step's verified peak).
 
     The profile and the plan count every softmax capture made ``softmax_backward_in_place`` at its lower
@@ -512,7 +520,7 @@ def _softmax_in_place(module: torch.nn.Module, args: tuple, kwargs: dict, budget
     if not names:
         return (), peak
     rewrite_softmax(gm, in_place=())
-    autograds = fake_step_memory(module, args, kwargs).peak
+    autograds = fake_step_memory(module, args, kwargs, reserve).peak
     if autograds <= budget:
         return (), autograds
     rewrite_softmax(gm, in_place=names)

@@ -24,13 +24,14 @@ def main() -> None:
         eager = measured_step(model, model, case.args, case.kwargs, seed=1)
         for p in model.parameters():   # plan a fresh step: no gradients left from the eager one
             p.grad = None
-        baseline = autorecompute.plan(model, *case.args, budget=1.0, solver_time_limit=1.0, **case.kwargs).baseline_peak
-        minimum = autorecompute.minimum_peak(model, *case.args, solver_time_limit=1.0, **case.kwargs)
+        baseline = autorecompute.plan(model, *case.args, budget=1.0,
+                                      loss_reserve=0, solver_time_limit=1.0, **case.kwargs).baseline_peak
+        minimum = autorecompute.minimum_peak(model, *case.args, loss_reserve=0, solver_time_limit=1.0, **case.kwargs)
         budgets = [baseline, minimum, minimum + (baseline - minimum) // 3, minimum + 2 * (baseline - minimum) // 3]
         ok, worst, bitwise = 0, 0.0, True
         for budget in budgets:
             model.load_state_dict(initial)
-            compiled = autorecompute.compile(model, budget=budget, solver_time_limit=1.0)
+            compiled = autorecompute.compile(model, budget=budget, loss_reserve=0, solver_time_limit=1.0)
             result = measured_step(compiled, model, case.args, case.kwargs, seed=1)
             ok += result.peak <= budget
             worst = max(worst, abs(compiled.plan.predicted_peak - result.peak) / result.peak)

@@ -94,7 +94,8 @@ def time_ratio(reference, module, case, cuda: bool, reps: int) -> float:
 
 def minimum(case, actions) -> int:
     case.model.zero_grad(set_to_none=True)      # planned as the compiled steps run: without gradients
-    return autorecompute.minimum_peak(case.model, *case.args, actions=actions, solver_time_limit=5, **case.kwargs)
+    return autorecompute.minimum_peak(case.model, *case.args, actions=actions,
+                                      loss_reserve=0, solver_time_limit=5, **case.kwargs)
 
 
 def bench(name: str, cuda: bool, reps: int, emit) -> None:
@@ -113,7 +114,8 @@ def bench(name: str, cuda: bool, reps: int, emit) -> None:
             row = {"model": name, "method": label, "budget_arg": budget}
             try:
                 b = minimum(case, actions) if budget == "minimum" else budget
-                compiled = autorecompute.compile(case.model, budget=b, actions=actions, solver_time_limit=5)
+                compiled = autorecompute.compile(case.model, budget=b, actions=actions,
+                                                 loss_reserve=0, solver_time_limit=5)
                 case.model.zero_grad(set_to_none=True)
                 started = time.perf_counter()
                 plan = compiled.prepare(*case.args, **case.kwargs)

@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     run_step(case.model, case.args, case.kwargs)        # warm-up
     report("eager", case.model, case)
     budget = minimum(case, ("recompute",)) if args.budget == "minimum" else float(args.budget)
-    compiled = autorecompute.compile(case.model, budget=budget, actions=("recompute",), solver_time_limit=5)
+    compiled = autorecompute.compile(case.model, budget=budget, actions=("recompute",),
+                                     loss_reserve=0, solver_time_limit=5)
     compiled.prepare(*case.args, **case.kwargs)
     report(f"autorecompute at {args.budget}", compiled, case)
     return 0

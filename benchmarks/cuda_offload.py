@@ -90,7 +90,7 @@ def main(argv=None) -> int:
 
     model.zero_grad(set_to_none=True)
     budget = int(args.budget * eager_peak)
-    compiled = autorecompute.compile(model, budget=budget, actions=("offload",), solver_time_limit=2)
+    compiled = autorecompute.compile(model, budget=budget, actions=("offload",), loss_reserve=0, solver_time_limit=2)
     compiled.prepare(ids)
     peak = allocator_peak(compiled, model, ids)
     grad_diff = max(float((p.grad - expected[n]).abs().max()) for n, p in model.named_parameters())

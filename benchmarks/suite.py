@@ -143,7 +143,8 @@ def sqrt_n_module(case):
 
 
 def minimum_peak(case, limit: float, actions: tuple[str, ...] = RECOMPUTE) -> int:
-    return autorecompute.minimum_peak(case.model, *case.args, solver_time_limit=limit, actions=actions, **case.kwargs)
+    return autorecompute.minimum_peak(case.model, *case.args,
+                                      loss_reserve=0, solver_time_limit=limit, actions=actions, **case.kwargs)
 
 
 def one_sample(case):
@@ -189,7 +190,8 @@ def max_batch(case, budget: int, limit: float) -> dict:
 
     def eager_peak(k):
         c = scaled(sample, k)
-        return autorecompute.plan(c.model, *c.args, budget=1.0, solver_time_limit=limit, **c.kwargs).baseline_peak
+        return autorecompute.plan(c.model, *c.args, budget=1.0,
+                                  loss_reserve=0, solver_time_limit=limit, **c.kwargs).baseline_peak
 
     def sqrt_peak(k):
         c = scaled(sample, k)
@@ -208,7 +210,8 @@ def max_batch(case, budget: int, limit: float) -> dict:
         k = found[name]
         if k:     # one real step at that batch
             c = scaled(sample, k)
-            compiled = autorecompute.compile(c.model, budget=budget, solver_time_limit=limit, actions=actions)
+            compiled = autorecompute.compile(c.model, budget=budget,
+                                             loss_reserve=0, solver_time_limit=limit, actions=actions)
             found[f"{name} verified_peak"] = measured_step(compiled, c.model, c.args, c.kwargs).peak
     found["budget"] = budget
     return found
@@ -282,7 +285,8 @@ class Bench:
             self.reset()
             started = time.perf_counter()
             # goal 3 counts FLOPs, as torch.compile's partitioner does (it fuses the elementwise ops it recomputes)
-            compiled = autorecompute.compile(self.model, budget=budget, solver_time_limit=limit, actions=RECOMPUTE,
+            compiled = autorecompute.compile(self.model, budget=budget,
+                                             loss_reserve=0, solver_time_limit=limit, actions=RECOMPUTE,
                                              objective="flops")
             try:
                 compiled.prepare(*self.case.args, **self.case.kwargs)
@@ -357,7 +361,8 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
         for label, budget, objective in [*[(tag, b, "time") for b in budgets], *extra]:
             reset()
             started = time.perf_counter()
-            compiled = autorecompute.compile(model, budget=budget, solver_time_limit=limit, actions=actions,
+            compiled = autorecompute.compile(model, budget=budget,
+                                             loss_reserve=0, solver_time_limit=limit, actions=actions,
                                              objective=objective)
             try:
                 with phase("sweep plans"):
@@ -374,7 +379,8 @@ def bench_model(name: str, quick: bool, limit: float) -> tuple[list[dict], dict]
     if not quick and least is not None and least["extra_flops"] > 0.5 * reference["extra_flops"]:
         reset()
         started = time.perf_counter()
-        compiled = autorecompute.compile(model, budget=sqrt_peak, solver_time_limit=LONGER_FACTOR * limit, actions=RECOMPUTE,
+        compiled = autorecompute.compile(model, budget=sqrt_peak,
+                                         loss_reserve=0, solver_time_limit=LONGER_FACTOR * limit, actions=RECOMPUTE,
                                          objective="flops")
         compiled.prepare(*case.args, **case.kwargs)
         record(LONGER_SOLVE, compiled, budget=sqrt_peak, plan_time=time.perf_counter() - started,

@@ -21,8 +21,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autorecompute.passes.fake import fake_step
 from autorecompute.runtime import workspaces
-from autorecompute.runtime.memory import (LiveStorageTracker, device_bytes_outside, output_tensors_for_backward,
-                                          step_state, tensor_bytes)
+from autorecompute.runtime.memory import (LiveStorageTracker, device_bytes_outside, hold_reserve,
+                                          output_tensors_for_backward, step_state, tensor_bytes)
 
 META_KEY = "autorecompute"
 
@@ -76,6 +76,8 @@ class StepProfile:
     # tracked bytes as each backward event starts: a saved tensor is unpacked then, before the event's own
     # allocations (its gradients), so what a recipe makes at that moment shares the event's headroom
     backward_starts: list[int] = field(default_factory=list)
+    # bytes held beside the outputs' gradients as backward starts: the caller's loss (``run_step``)
+    loss_reserve: int = 0
 
     def headroom(self, event: int) -> int:
         """Bytes backward event ``event`` allocates above what was live as it started (0 when unknown)."""
@@ -267,17 +269,19 @@ class _Profiler(torch.fx.Interpreter):
         return hook
 
 
-def profile_step(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> StepProfile:
+def profile_step(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, loss_reserve: int | str = 0) -> StepProfile:
     """Runs one fake forward + backward of ``gm`` and annotates it (see module docstring).
 
     ``args``/``kwargs`` are the real (or meta) example inputs; nothing real is allocated, except on a CUDA
     device the first time an op signature is met: its kernel's workspace is then measured there
-    (:mod:`autorecompute.runtime.workspaces`) and the step profiled again with it.
+    (:mod:`autorecompute.runtime.workspaces`) and the step profiled again with it. ``loss_reserve`` bytes
+    (``"auto"``: sized from the outputs, :func:`~autorecompute.runtime.memory.loss_reserve_bytes`) are held
+    beside the outputs' gradients as backward starts, as the caller's loss holds them.
     """
-    return workspaces.with_workspaces(lambda: _profile_once(gm, args, kwargs))
+    return workspaces.with_workspaces(lambda: _profile_once(gm, args, kwargs, loss_reserve))
 
 
-def _profile_once(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> StepProfile:
+def _profile_once(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, loss_reserve: int | str) -> StepProfile:
     from torch.fx._pytree import tree_flatten_spec
 
     params = list(gm.parameters())
@@ -312,8 +316,12 @@ def _profile_once(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> StepPr
                     profiler.tensors[name].last_forward_use = profiler.position
             grads_of = output_tensors_for_backward(outputs)
             del outputs, out_tensors
+            reserved = 0
             if grads_of:
-                torch.autograd.backward(grads_of, [torch.ones_like(t) for t in grads_of])
+                seeds = [torch.ones_like(t) for t in grads_of]
+                reserved = hold_reserve(grads_of, loss_reserve)
+                torch.autograd.backward(grads_of, seeds)
+                del seeds
             del grads_of
             for handle in profiler.hooks:
                 handle.remove()
@@ -333,6 +341,6 @@ def _profile_once(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> StepPr
         forward_peaks=profiler.forward_peaks, backward_events=profiler.backward_events,
         backward_peaks=profiler.backward_peaks, backward_starts=profiler.backward_starts,
         parameter_grad_bytes=parameter_grad_bytes,
-        tracked_peak=tracker.peak)
+        tracked_peak=tracker.peak, loss_reserve=reserved)
     gm.meta[META_KEY] = profile
     return profile

@@ -5,15 +5,18 @@ Fake and real runs allocate the same storages in the same order, so this is the 
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from autorecompute.runtime import workspaces
-from autorecompute.runtime.memory import StepMemory, measure_step, resident_bytes
+from autorecompute.runtime.memory import StepMemory, measure_step, resident_bytes, run_step
 from autorecompute.passes.fake import fake_step
 
 
-def fake_step_memory(module: torch.nn.Module, args: tuple, kwargs: dict) -> StepMemory:
-    """Peak of forward + backward of ``module`` on fake copies of its state and inputs.
+def fake_step_memory(module: torch.nn.Module, args: tuple, kwargs: dict, reserve: int = 0) -> StepMemory:
+    """Peak of forward + backward of ``module`` on fake copies of its state and inputs, ``reserve`` bytes
+    held beside the outputs' gradients as backward starts (the caller's loss: ``run_step``).
 
     The resident part is counted on the real state and inputs (fake storages are not tracked as "existing").
     """
@@ -21,7 +24,7 @@ def fake_step_memory(module: torch.nn.Module, args: tuple, kwargs: dict) -> Step
 
     def measured() -> StepMemory:
         with fake_step(module, args, kwargs) as (fake_args, fake_kwargs):
-            return measure_step(module, fake_args, fake_kwargs)
+            return measure_step(module, fake_args, fake_kwargs, step=partial(run_step, reserve=reserve))
 
     # CUDA op signatures the profile did not meet (a rewrite's copies) are measured, then the step again
     return StepMemory(resident=resident, tracked_peak=workspaces.with_workspaces(measured).tracked_peak)

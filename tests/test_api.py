@@ -651,7 +651,7 @@ def test_the_infeasible_budget_fix_names_only_what_can_help():
     assert "an int budget is bytes: a fraction of the unoptimized peak is a float, 1.0 for all of it" in str(one_byte)
     # asked as a fraction (0.05 of a 4000-byte peak is 200 B): answered as one, without the int-budget hint
     fraction = autorecompute.InfeasibleBudgetError(200, 2600, breakdown, ("recompute",), fraction=0.05, baseline=4000)
-    assert "budget 200 B (0.05 of the unoptimized peak)" in str(fraction)
+    assert "budget 200 B (200 bytes, 0.05 of the unoptimized peak)" in str(fraction)
     assert "pass budget>=2600 (a fraction of at least 0.65)" in str(fraction) and "int budget" not in str(fraction)
 
 
@@ -993,7 +993,8 @@ def test_torch_compile_over_a_compiled_module_plans_outside_dynamo():
     import torch._dynamo
 
     case = models.make("mlp")
-    compiled = autorecompute.compile(case.model, budget=0.6, solver_time_limit=SOLVER_TIME)
+    # (.sum() holds nothing beside the outputs' gradient: no loss reserve)
+    compiled = autorecompute.compile(case.model, budget=0.6, loss_reserve=0, solver_time_limit=SOLVER_TIME)
     traced = torch.compile(compiled, backend="eager")
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
@@ -1020,3 +1021,23 @@ def test_compress_dtypes_are_named_or_given_as_torch_dtypes():
     assert chosen(torch.bfloat16) == ("bfloat16",)
     with pytest.raises(ValueError, match=r"unknown \['float32'\]; accepted compress dtypes"):
         chosen((torch.float32,))
+
+
+def test_a_model_changed_by_its_library_during_capture_is_planned_once():
+    """transformers installs output-collecting hooks on a Mixtral's first call with ``output_router_logits``;
+    the plan is kept for the model as its steps find it afterwards: one plan for one signature, not two."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.MixtralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+                                        max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2,
+                                        output_router_logits=True, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config)
+    ids = torch.randint(0, 256, (4, 64))
+    compiled = autorecompute.compile(model, budget=0.9, solver_time_limit=SOLVER_TIME)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        compiled(ids, labels=ids).loss.backward()
+    assert len(compiled.plans) == 1, list(compiled.plans)

@@ -168,3 +168,11 @@ def test_a_fraction_answer_is_one_the_planner_reads_as_enough():
                                                 baseline=4000)
     copied = pickle.loads(pickle.dumps(error))          # (across processes: a DataLoader worker's)
     assert str(copied) == str(error) and copied.minimum == 2600
+
+
+def test_an_infeasible_budget_a_hair_below_the_minimum_reads_as_two_numbers():
+    """Both sizes round to 1.32 MiB; the message gives both in bytes, so it never reads 'X below X'."""
+    from autorecompute.errors import InfeasibleBudgetError
+
+    message = str(InfeasibleBudgetError(1_384_448, 1_384_460, {"activations": 1_384_460}, ("recompute",)))
+    assert "budget 1.32 MiB (1384448 bytes) is below the minimum peak 1.32 MiB (1384460 bytes)" in message

@@ -166,7 +166,7 @@ def test_graph_and_page_show_stash_only_plans_and_every_offloaded_gradient():
     assert owners and not offload_only.decisions
     dot = offload_only.to_dot()
     assert all(f'"{owner}" [label=' in dot for owner in owners)
-    plan = autorecompute.plan(model, x, budget=0.4, solver_time_limit=SOLVER_TIME)
+    plan = autorecompute.plan(model, x, budget=0.4, loss_reserve=0, solver_time_limit=SOLVER_TIME)
     gradients = plan.gradients_offloaded()
     assert len(gradients) > 4
     page = plan_to_html(plan)

@@ -224,15 +224,56 @@ def _differentiable(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point()
 
 
-def run_step(module: Callable, args: tuple, kwargs: dict) -> Any:
+AUTO = "auto"
+# float32 tensors of an output's size that a loss computed outside the model holds at once in its backward
+# (cross-entropy: its log-softmax, the gradient of it and the gradient of the logits), the last of which is
+# the gradient the planned step seeds backward with
+LOSS_TENSORS = 3
+LOSS_SCALARS = 16       # the loss and its unit gradient, float64 at most
+
+
+def loss_reserve_bytes(outputs: list[torch.Tensor]) -> int:
+    """Bytes a loss computed outside the model adds, at the start of backward, to the step the plan models
+    (a unit gradient on each output): for each output of more than one element, :data:`LOSS_TENSORS`
+    float32 tensors of its size less the gradient the model already counts, and the loss's own scalars. A
+    scalar output is a loss already (0).
+
+    Example:
+        >>> loss_reserve_bytes([torch.ones(8, 1000)])      # cross-entropy over float32 logits: two more
+        64016
+        >>> loss_reserve_bytes([torch.ones(8, 1000, dtype=torch.bfloat16)])   # upcast to float32 first
+        80016
+        >>> loss_reserve_bytes([torch.ones(())])
+        0
+    """
+    tensors = [t for t in outputs if t.numel() > 1]
+    if not tensors:
+        return 0
+    return LOSS_SCALARS + sum(LOSS_TENSORS * 4 * t.numel() - t.numel() * t.element_size() for t in tensors)
+
+
+def run_step(module: Callable, args: tuple, kwargs: dict, reserve: int | str = 0) -> Any:
     """One training step as the planner models it: forward, then backward with a unit gradient on the
     model's loss if it returns one, else a dense unit gradient on every differentiable output (the gradient
-    a loss computed outside hands back; :func:`output_tensors_for_backward`). Returns the outputs."""
+    a loss computed outside hands back; :func:`output_tensors_for_backward`). ``reserve`` bytes are
+    allocated beside those gradients and freed before backward runs — what the caller's loss holds at that
+    moment (:data:`AUTO`: :func:`loss_reserve_bytes` of the outputs). Returns the outputs."""
     outputs = module(*args, **kwargs)
     tensors = output_tensors_for_backward(outputs)
     if tensors:
-        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+        seeds = [torch.ones_like(t) for t in tensors]
+        hold_reserve(tensors, reserve)
+        torch.autograd.backward(tensors, seeds)
     return outputs
+
+
+def hold_reserve(tensors: list[torch.Tensor], reserve: int | str) -> int:
+    """Allocates and frees ``reserve`` bytes on the outputs' device (a live-storage tracker or the caching
+    allocator sees them at the moment the caller's loss would hold them); returns the bytes."""
+    nbytes = loss_reserve_bytes(tensors) if reserve == AUTO else int(reserve)
+    if nbytes > 0:
+        torch.empty(nbytes, dtype=torch.uint8, device=tensors[0].device)
+    return nbytes
 
 
 def measure_step(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,

@@ -1,0 +1,115 @@
+"""The step as users write it: the loss computed outside the compiled module, over its outputs.
+
+The plan reserves what such a loss holds as backward starts (``loss_reserve="auto"``: cross-entropy's
+log-softmax, its gradient and the logits' gradient, in float32), so the step fits its budget from the first
+step on. Measured with ``autorecompute.measure_peak`` around the user's own step.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autorecompute
+import models
+from conftest import SOLVER_TIME
+
+# transformer (own GPT, HF GPT-2, HF BERT, HF Llama), CNN (ResNet), MLP
+MODELS = ["gpt", "gpt2", "bert", "llama", "resnet", "mlp"]
+
+
+def _logits(outputs) -> torch.Tensor:
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    return outputs["logits"] if "logits" in outputs else outputs[0]
+
+
+def cross_entropy(outputs) -> torch.Tensor:
+    """Cross-entropy over every position's logits, computed in float32 (as LLM training loops do)."""
+    logits = _logits(outputs)
+    flat = logits.flatten(0, -2) if logits.dim() > 2 else logits
+    targets = torch.arange(flat.shape[0]) % flat.shape[-1]
+    return F.cross_entropy(flat.float(), targets)
+
+
+def smooth_l1(outputs) -> torch.Tensor:
+    """A regression loss of the user's own choosing."""
+    logits = _logits(outputs)
+    return F.smooth_l1_loss(logits, torch.full_like(logits, 0.5))
+
+
+def _measured_step(step_module, case, loss_fn):
+    case.model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    losses = []
+
+    def step():
+        loss = loss_fn(step_module(*case.args, **case.kwargs))
+        loss.backward()
+        losses.append(loss.detach())
+    memory = autorecompute.measure_peak(step, case.model, case.args, case.kwargs)
+    grads = {n: p.grad.clone() for n, p in case.model.named_parameters() if p.grad is not None}
+    return memory.peak, losses[0], grads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_fn", [cross_entropy, smooth_l1])
+@pytest.mark.parametrize("name", MODELS)
+def test_a_loss_outside_the_model_fits_the_budget_from_the_first_step(name, loss_fn):
+    """Halfway between the module's own minimum and eager's step with the loss: every step measured (the first
+    included) is within the budget, and losses and gradients are eager's bit for bit."""
+    case = models.make(name)
+    eager_peak, eager_loss, eager_grads = _measured_step(case.model, case, loss_fn)
+    case.model.zero_grad(set_to_none=True)
+    module_minimum = autorecompute.minimum_peak(case.model, *case.args, **case.kwargs, loss_reserve=0,
+                                                solver_time_limit=SOLVER_TIME)
+    budget = (module_minimum + eager_peak) // 2
+    compiled = autorecompute.compile(case.model, budget=budget, solver_time_limit=SOLVER_TIME)
+    for _ in range(2):
+        peak, loss, grads = _measured_step(compiled, case, loss_fn)
+        assert peak <= budget, f"{name}: measured {peak} over the budget {budget}"
+        assert torch.equal(loss, eager_loss)
+        assert grads.keys() == eager_grads.keys()
+        assert all(torch.equal(grads[n], eager_grads[n]) for n in grads)
+    assert compiled.plan.loss_reserve > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_at_the_modules_own_minimum_the_refusal_names_a_budget_every_step_fits(name):
+    """The module alone reaches a minimum the step with its loss cannot: the refusal's ``.minimum`` counts the
+    loss, and every step at it fits."""
+    case = models.make(name)
+    module_minimum = autorecompute.minimum_peak(case.model, *case.args, **case.kwargs, loss_reserve=0,
+                                                solver_time_limit=SOLVER_TIME)
+    with pytest.raises(autorecompute.InfeasibleBudgetError) as refused:
+        autorecompute.plan(case.model, *case.args, **case.kwargs, budget=module_minimum,
+                           solver_time_limit=SOLVER_TIME)
+    minimum = refused.value.minimum
+    assert minimum > module_minimum
+    compiled = autorecompute.compile(case.model, budget=minimum, solver_time_limit=SOLVER_TIME)
+    for _ in range(2):
+        assert _measured_step(compiled, case, cross_entropy)[0] <= minimum
+
+
+def test_no_reserve_when_the_model_returns_its_loss():
+    """A model that returns a scalar loss (or ``outputs["loss"]``) holds its loss inside the planned step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
+    x = torch.randn(256, 64)
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            return self.model(x).pow(2).mean()
+
+    kept = autorecompute.plan(model, x, budget=1.0, solver_time_limit=SOLVER_TIME)
+    inside = autorecompute.plan(WithLoss(), x, budget=1.0, solver_time_limit=SOLVER_TIME)
+    assert kept.loss_reserve == 3 * 4 * 256 * 32 - 4 * 256 * 32 + 16 and inside.loss_reserve == 0
+    stated = autorecompute.plan(model, x, budget=1.0, loss_reserve=12345, solver_time_limit=SOLVER_TIME)
+    assert stated.loss_reserve == 12345
+    assert stated.baseline_peak - autorecompute.plan(model, x, budget=1.0, loss_reserve=0,
+                                                     solver_time_limit=SOLVER_TIME).baseline_peak <= 12345
+    with pytest.raises(ValueError, match="loss_reserve=-1 must be 'auto'"):
+        autorecompute.plan(model, x, budget=1.0, loss_reserve=-1)
