@@ -214,6 +214,7 @@ def test_plans_are_cached_per_input_signature():
     assert compiled.plan is not first and len(compiled.plans) == 2
 
 
+@pytest.mark.slow
 def test_huggingface_output_structure_is_kept():
     case = models.make("gpt2")
     model = case.model
@@ -318,6 +319,7 @@ def test_many_input_signatures_warn_with_the_fix():
         in str(warning.message)                                # at the 8th shape's first micro-batch, once
 
 
+@pytest.mark.slow
 def test_every_micro_batch_of_gradient_accumulation_fits_the_budget():
     """From the second micro-batch of gradient accumulation on, a step starts with every gradient resident,
     where the first makes them during backward: it gets a plan of its own (its signature says so), every
@@ -354,6 +356,7 @@ def test_every_micro_batch_of_gradient_accumulation_fits_the_budget():
     compiled(*case.args).sum().backward()
     assert len(compiled.plans) == 2 and compiled.plan.signature == later
 
+@pytest.mark.slow
 def test_plan_round_trips_through_json_and_reads_well():
     case = models.make("gpt")
     plan = autorecompute.plan(case.model, *case.args, budget=0.5, solver_time_limit=SOLVER_TIME)
@@ -376,6 +379,7 @@ def test_rewritten_graph_shows_checkpoint_regions():
     assert result.peak <= compiled.plan.budget
 
 
+@pytest.mark.slow
 def test_planning_does_not_move_the_rng_stream():
     case = models.make("gpt")
     torch.manual_seed(7)
@@ -394,6 +398,7 @@ def test_same_inputs_and_seed_give_the_same_plan():
     assert plans[0].predicted_peak == plans[1].predicted_peak
 
 
+@pytest.mark.slow
 def test_objective_flops_plans_no_more_flops_than_time():
     """``objective="flops"`` prices recomputation by FLOPs alone: at the same budget its plan runs no more
     extra FLOPs than the default least-time plan (which also pays for bytes, random numbers and calls)."""
@@ -429,6 +434,7 @@ def test_a_weak_first_minimum_does_not_make_a_feasible_budget_infeasible(monkeyp
     assert result.peak <= budget
 
 
+@pytest.mark.slow
 def test_the_minimum_peak_search_ends_where_no_single_change_lowers_it(monkeypatch):
     """CP-SAT's minimum-peak search on GPT's long chain stops where one change lowers the peak; the local
     search after it (greedy.lower_peak) takes the minimum 12% lower. A budget at the new minimum is
@@ -453,6 +459,7 @@ def test_the_minimum_peak_search_ends_where_no_single_change_lowers_it(monkeypat
         assert torch.equal(grad, result.grads[name]), name
 
 
+@pytest.mark.slow
 def test_minimum_peak_is_the_least_budget_a_plan_meets():
     """``autorecompute.minimum_peak`` is the ``.minimum`` a budget below it is refused with; a step compiled at
     that budget measures within it with eager's gradients; gradients the model holds count, and the meta
@@ -566,6 +573,7 @@ def test_compiled_blocks_under_the_callers_checkpoint_train_as_eager(reentrant):
     assert all(c.plan.count("recompute") + len(c.plan.stash) > 0 for c in compiled)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("copy_of", ["deepcopy", "copy", "pickle", "torch.save"])
 def test_a_compiled_module_with_offload_copies_and_saves(copy_of, tmp_path):
     """``copy.deepcopy`` (an EMA or teacher copy), ``pickle`` and ``torch.save`` of a compiled module whose plan
@@ -901,6 +909,7 @@ def test_a_compiled_module_pickled_before_the_state_cache_still_trains():
     assert len(loaded.plans) == 1
 
 
+@pytest.mark.slow
 def test_an_hf_decoder_with_its_cache_on_trains_with_it_off_and_says_so():
     """HF decoders default to ``use_cache=True``, in training too: a key/value cache export cannot capture.
     The compiled module passes ``use_cache=False`` (as transformers' gradient checkpointing does), once
@@ -931,6 +940,7 @@ def test_an_hf_decoder_with_its_cache_on_trains_with_it_off_and_says_so():
     assert planned.signature == "(int64[2, 16]@cpu, use_cache=False)"
 
 
+@pytest.mark.slow
 def test_under_distributed_data_parallel_gradients_stay_on_the_device(tmp_path):
     """DDP's reducer reads each gradient in AccumulateGrad's own hooks, after the post-accumulate-grad hook
     that offloads it: it reduced zeros (GPT's head.weight, a gradient its plan at 0.5 offloads). Under an
@@ -960,6 +970,7 @@ def test_under_distributed_data_parallel_gradients_stay_on_the_device(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_backward_that_keeps_the_graph_warns_once():
     """retain_graph=True keeps every saved tensor to the end of backward, which the plan does not count on:
     GPT at 0.6 measures above its budget then (and within it without). Said once, at the user's backward()
@@ -986,6 +997,7 @@ def test_a_backward_that_keeps_the_graph_warns_once():
         loss.backward()
 
 
+@pytest.mark.slow
 def test_torch_compile_over_a_compiled_module_plans_outside_dynamo():
     """torch.compile(opt) at a first call that plans: dynamo breaks the graph at planning (Python over fake
     tensors, which it traced into, recompiling its helpers per tensor up to its limit) and traces the step

@@ -113,6 +113,7 @@ def test_an_op_whose_result_is_written_in_place_later_is_not_recomputable():
     assert exp not in problem.stash_options
 
 
+@pytest.mark.slow
 def test_least_flops_plan_at_torch_compiles_point_runs_no_flops_again():
     """GPT-2 with dropout at 69.6% of eager's peak: torch.compile's ``activation_memory_budget=0.7`` point,
     where its partitioner recomputes only elementwise ops. With attention split into its math ops, a plan

@@ -59,6 +59,7 @@ def test_plan_command_writes_html(user_models, capsys):
     assert "predicted peak" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_demo_runs_and_fits():
     done = subprocess.run([sys.executable, "-m", "autorecompute.cli", "demo", "--steps", "2",
                            "--solver-time-limit", "2"], capture_output=True, text=True, timeout=600)

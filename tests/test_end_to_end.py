@@ -23,6 +23,7 @@ def minimum_budget(model, case, actions=autorecompute.planner.DEFAULT_ACTIONS) -
     return autorecompute.minimum_peak(model, *case.args, solver_time_limit=SOLVER_TIME, actions=actions, **case.kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(models.ZOO))
 def test_measured_peak_within_budget_and_bitwise_gradients(name):
     case = models.make(name)
@@ -51,6 +52,7 @@ def test_measured_peak_within_budget_and_bitwise_gradients(name):
     assert recomputed[0] == 0 and recomputed[1] > 0
 
 
+@pytest.mark.slow
 def test_batchnorm_running_stats_updated_exactly_once():
     case = models.make("resnet")
     model = case.model
@@ -158,6 +160,7 @@ def test_what_forward_writes_in_place_is_not_read_again_in_backward(make):
         assert torch.equal(buffer, result.buffers[name]), name
 
 
+@pytest.mark.slow
 def test_dropout_masks_are_replayed():
     case = models.make("gpt")
     model = case.model
@@ -172,6 +175,7 @@ def test_dropout_masks_are_replayed():
     assert not torch.equal(other.outputs[0], result.outputs[0]), "dropout is active: seeds must matter"
 
 
+@pytest.mark.slow
 def test_infeasible_budget_error_and_its_minimum_is_accepted():
     case = models.make("mlp")
     model = case.model
@@ -204,6 +208,7 @@ def test_uncapturable_model_raises_capture_error():
     assert f'File "{__file__}"' in str(info.value) and "if x.sum().item() > 0:" in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_budget_near_the_minimum_gets_a_cost_solved_plan():
     """Near its minimum the memory model can over-predict (GPT-2's minimum-peak plan: 4.16 MB in the model,
     4.03 MB measured) and a short minimum-peak solve stays above the true minimum: a budget between them
@@ -224,6 +229,7 @@ def test_a_budget_near_the_minimum_gets_a_cost_solved_plan():
     assert plan.extra_flops < 0.5 * plan.baseline_flops, plan.extra_flops / plan.baseline_flops
 
 
+@pytest.mark.slow
 def test_a_model_that_returns_its_loss_is_planned_for_loss_backward_alone():
     """HF GPT-2 called with ``labels``: the step is ``outputs.loss.backward()``, which never makes a unit
     gradient of the logits' size (256 KiB here): the plan counts none, and the budget holds measured so."""

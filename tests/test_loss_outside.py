@@ -73,21 +73,23 @@ def test_a_loss_outside_the_model_fits_the_budget_from_the_first_step(name, loss
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt", "resnet"])
-def test_at_the_modules_own_minimum_the_refusal_names_a_budget_every_step_fits(name):
-    """The module alone reaches a minimum the step with its loss cannot: the refusal's ``.minimum`` counts the
-    loss, and every step at it fits."""
+@pytest.mark.parametrize("name", ["gpt", "resnet", "mlp"])
+def test_at_the_modules_own_minimum_every_step_fits_or_the_refusal_names_a_budget_that_does(name):
+    """At the least budget of the module alone the step with its loss fits, or is refused with a ``.minimum``
+    that counts the loss; every step at the budget taken is within it."""
     case = models.make(name)
     module_minimum = autorecompute.minimum_peak(case.model, *case.args, **case.kwargs, loss_reserve=0,
                                                 solver_time_limit=SOLVER_TIME)
-    with pytest.raises(autorecompute.InfeasibleBudgetError) as refused:
+    try:
         autorecompute.plan(case.model, *case.args, **case.kwargs, budget=module_minimum,
                            solver_time_limit=SOLVER_TIME)
-    minimum = refused.value.minimum
-    assert minimum > module_minimum
-    compiled = autorecompute.compile(case.model, budget=minimum, solver_time_limit=SOLVER_TIME)
+        budget = module_minimum
+    except autorecompute.InfeasibleBudgetError as refused:
+        budget = refused.minimum
+        assert budget > module_minimum
+    compiled = autorecompute.compile(case.model, budget=budget, solver_time_limit=SOLVER_TIME)
     for _ in range(2):
-        assert _measured_step(compiled, case, cross_entropy)[0] <= minimum
+        assert _measured_step(compiled, case, cross_entropy)[0] <= budget
 
 
 def test_no_reserve_when_the_model_returns_its_loss():

@@ -1,9 +1,11 @@
 """Planning a 12-layer GPT-2 (hidden 768, seq 1024, batch 8) on the meta device: nothing is allocated."""
+import pytest
 import torch
 
 import autorecompute
 
 
+@pytest.mark.slow
 def test_gpt2_small_plans_on_meta():
     transformers = __import__("transformers")
     transformers.logging.set_verbosity_error()

@@ -26,6 +26,7 @@ def minimum(case, **options) -> int:
     return autorecompute.minimum_peak(case.model, *case.args, solver_time_limit=SOLVER_TIME, **options, **case.kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(models.ACTIVATION_HEAVY))
 def test_offload_goes_below_07_of_the_recompute_only_minimum(name, tmp_path):
     """Issue 3, acceptance 1: with offload the measured peak reaches ≤ 0.7× the recompute-only minimum,
@@ -75,6 +76,7 @@ def test_prefetched_offloads_are_nodes_of_the_graph_and_come_back_exact():
     assert_bitwise_equal(eager, measured_step(rewritten, case.model, case.args, case.kwargs))
 
 
+@pytest.mark.slow
 def test_graph_code_shows_offload_and_cast_nodes():
     """On the CPU the copy takes the compute's own cores: each offloaded tensor comes back at its first use
     (``offload:late``, no prefetch node), whatever ``transfer`` says about overlap."""
@@ -104,6 +106,7 @@ def _cosine(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("dtype,min_cosine", [("bfloat16", 0.999), ("float16", 0.999), ("float8", 0.99),
                                               ("int8", 0.99)])
+@pytest.mark.slow
 def test_compress_fits_the_budget_and_reports_its_error(dtype, min_cosine):
     """Issue 3, acceptance 2: measured peak ≤ budget; gradient cosine similarity against eager."""
     case = models.make("gpt")
@@ -348,6 +351,7 @@ sys.exit(0 if parent_ok and os.waitstatus_to_exitcode(status) == 0 else 5)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_offloads_to_a_file_of_its_own(tmp_path):
     """A child forked after the tier opened shared the parent's file and its position: the two laid their

@@ -41,6 +41,7 @@ def _fate_lines(summary: str) -> dict[str, tuple[str, str]]:
     return lines
 
 
+@pytest.mark.slow
 def test_the_summary_says_what_the_table_and_the_json_say(plan):
     """Every fate line of the summary is the total of the table's rows — bytes, ops, tensors — for the plan and
     for the plan read back from JSON; the fates' bytes add up to what autograd holds; no line leaves out a fate

@@ -21,6 +21,7 @@ def plan(request):
     return autorecompute.plan(case.model, *case.args, budget=0.6, solver_time_limit=SOLVER_TIME, **case.kwargs)
 
 
+@pytest.mark.slow
 def test_json_round_trips_to_an_equal_plan(plan, tmp_path):
     path = plan.save(str(tmp_path / "plan.json"))
     text = open(path).read()

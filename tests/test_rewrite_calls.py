@@ -2,6 +2,7 @@
 import operator
 import pickle
 
+import pytest
 import torch
 import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -95,10 +96,12 @@ def test_the_binding_must_reach_the_same_overload():
     assert binding_for(operator.getitem, (div, 0), {}) is None       # not an aten overload
 
 
+@pytest.mark.slow
 def test_compiled_modules_call_bindings_in_regions_and_recipes_with_eager_gradients():
     case = models.gpt()
     eager = measured_step(case.model, case.model, case.args, case.kwargs, seed=1)
-    compiled = autorecompute.compile(case.model, budget=0.6, solver_time_limit=SOLVER_TIME)
+    # the step measured: a unit gradient on the outputs, no loss beside it
+    compiled = autorecompute.compile(case.model, budget=0.6, loss_reserve=0, solver_time_limit=SOLVER_TIME)
     compiled.prepare(*case.args, **case.kwargs)
     gm = compiled.graph_module
     bodies = [m for name, m in gm.named_modules() if isinstance(m, torch.fx.GraphModule) and name]

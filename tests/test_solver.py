@@ -66,6 +66,7 @@ def test_a_region_runs_again_up_to_its_last_save():
     assert rerun_ops(unknown, everything) == list(p.chain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [3, 5, 6])
 def test_min_peak_matches_brute_force(n):
     p = chain_problem(n)
@@ -443,6 +444,7 @@ def test_when_cp_sat_finds_nothing_the_minimum_peak_start_is_tried_too(monkeypat
     assert plan.extra_flops < extra_flops(problem, *usual)
 
 
+@pytest.mark.slow
 def test_when_cp_sat_finds_nothing_it_solves_windows_of_the_chain(monkeypatch):
     """The full model found nothing (deep chains): CP-SAT over windows of 80 ops, the rest of the local
     search's plan fixed. GPT-2 at half its peak, least FLOPs: 33.6 → 18.9 MFLOP run again, within budget."""
@@ -467,6 +469,7 @@ def test_when_cp_sat_finds_nothing_it_solves_windows_of_the_chain(monkeypatch):
     assert windowed.extra_flops < local.extra_flops
 
 
+@pytest.mark.slow
 def test_windows_across_layers_trade_between_layers_far_apart(monkeypatch):
     """At √N's peak (checkpoint_sequential's, measured) the 6-layer GPT's least-FLOPs plan ran 35.7 MFLOP
     again: CP-SAT's whole model does not finish and a chain window holds a layer or two. CP-SAT over the same

@@ -25,6 +25,7 @@ def step_flops(module, case) -> int:
     return counter.get_total_flops()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, blocks", [("gpt", "blocks"), ("mlp", "layers")])
 def test_fewer_recompute_flops_than_sqrt_n_at_its_peak(name, blocks):
     case = models.make(name)
@@ -44,6 +45,7 @@ def test_fewer_recompute_flops_than_sqrt_n_at_its_peak(name, blocks):
 
 
 # MLP at 0.6 rematerializes GELUs alone (0 FLOPs to FlopCounterMode): at 0.5 matmuls run again too
+@pytest.mark.slow
 @pytest.mark.parametrize("name, budget", [("gpt", 0.6), ("mlp", 0.5), ("llama", 0.6)])
 def test_plan_counts_the_flops_backward_runs_again(name, budget):
     """The plan's extra FLOPs are FlopCounterMode's: a region is recomputed only up to its last save
@@ -90,6 +92,7 @@ def test_a_region_ending_in_a_4d_matmul_does_not_run_its_bmm_again():
     assert step_flops(rewritten, case) == step_flops(model, case)
 
 
+@pytest.mark.slow
 def test_fits_wherever_sqrt_n_over_articulation_points_fits():
     """Llama trained on its own loss (``labels``): √N with its checkpoints at articulation points reaches a
     peak that the byte-placed segment plans, the planner's starting points, did not (3.41 vs 3.67 MB), and
@@ -111,6 +114,7 @@ def test_fits_wherever_sqrt_n_over_articulation_points_fits():
     assert all(torch.equal(ours.grads[n], g) for n, g in eager.grads.items())
 
 
+@pytest.mark.slow
 def test_the_minimum_peak_plan_cuts_runs_into_regions_and_measures_what_it_says():
     """Llama's recompute-only minimum needs back-to-back regions (an MLP's first matmul recomputed in a
     region of its own, not kept as the boundary after the attention's), and regions that make their inputs
@@ -138,6 +142,7 @@ def test_the_minimum_peak_plan_cuts_runs_into_regions_and_measures_what_it_says(
     assert ours.peak <= 0.8 * measured_step(sqrt_n, model, case.args, case.kwargs).peak
 
 
+@pytest.mark.slow
 def test_a_budget_hugging_faces_per_layer_checkpointing_meets_is_met():
     """12-layer GPT-2 (narrow, so activations and parameters weigh alike): HF's
     ``gradient_checkpointing_enable()`` measured 3 428 872 B, and the minimum-peak search, starting from √N's
