@@ -546,7 +546,8 @@ def _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit,
              loss_reserve="auto") -> PlannerOptions:
     return PlannerOptions(actions=_names(actions, "actions", "('recompute', 'offload')"),
                           compress_dtypes=None if compress_dtypes is None else
-                          _names(_dtype_names(compress_dtypes), "compress_dtypes", "('bfloat16',) or (torch.bfloat16,)"),
+                          _names(_dtype_names(compress_dtypes), "compress_dtypes",
+                                 "('bfloat16',) or (torch.bfloat16,)"),
                           offload_dir=offload_dir, transfer=transfer, solver_time_limit=solver_time_limit, seed=seed,
                           objective=objective, loss_reserve=loss_reserve)
 

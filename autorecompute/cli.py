@@ -76,7 +76,7 @@ def plan_command(args: argparse.Namespace) -> int:
                                   solver_time_limit=args.solver_time_limit, actions=_names(args.actions),
                                   compress_dtypes=(None if args.compress_dtypes is None
                                                    else _names(args.compress_dtypes)),
-                                  objective=args.objective)
+                                  objective=args.objective, loss_reserve=args.loss_reserve)
     except (autorecompute.AutorecomputeError, ValueError) as error:
         return fail(str(error), 1)
     print(plan)
@@ -115,8 +115,9 @@ def make_inputs(specs: list[str], device=None) -> tuple[tuple, dict]:
             else:
                 value = torch.randint(0, high, sizes, dtype=kind, device=device)
         except RuntimeError as error:     # more than this machine holds: plan on the meta device instead
-            raise ValueError(f"--input-shape {spec!r}: {str(error).splitlines()[0]}. Fix: return a model on the meta "
-                             "device from the factory (its inputs are made there; planning allocates nothing)") from None
+            raise ValueError(f"--input-shape {spec!r}: {str(error).splitlines()[0]}. Fix: return a model on the "
+                             "meta device from the factory (its inputs are made there; planning allocates nothing)"
+                             ) from None
         if name:
             kwargs[name] = value
         else:
@@ -168,6 +169,21 @@ def budget_arg(text: str) -> int | float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def reserve_arg(text: str) -> int | str:
+    """``--loss-reserve``: "auto", or a size in bytes ("0", "64MB", "1.5GiB"; not a fraction)."""
+    if text in ("auto", "0"):
+        return text if text == "auto" else 0
+    from autorecompute.budget import parse_budget
+
+    try:
+        value = parse_budget(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, int):
+        raise argparse.ArgumentTypeError(f"--loss-reserve {text!r}: 'auto', or bytes such as 0, 67108864 or 64MB")
+    return value
+
+
 def steps_arg(text: str) -> int:
     """The demo's number of training steps: a whole number, at least 1 (zero steps would measure nothing)."""
     try:
@@ -213,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="least extra time (default: the device's speeds) or least extra FLOPs")
     p.add_argument("--compress-dtypes", default=None,
                    help="with compress: comma-separated among bfloat16, float16, float8, int8 (default bfloat16)")
+    p.add_argument("--loss-reserve", type=reserve_arg, default="auto",
+                   help="bytes a loss computed outside the model holds as backward starts: 'auto' (cross-entropy "
+                        "over the outputs in float32; none when the model returns its loss), 0, or bytes like 64MB")
     p.set_defaults(run=plan_command)
     args = parser.parse_args(argv)
     return args.run(args)

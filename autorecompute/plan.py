@@ -18,8 +18,10 @@ from typing import Any
 from autorecompute.budget import format_bytes
 from autorecompute.problem import GRADIENT
 
-# 10: ``loss_reserve``; 9: ``softmax_in_place``; 8: ``extra_seconds``; 7: ``region_remakes``; 6: ``region_starts``; 5: the ``rematerialize:through`` action; 4: the ``rematerialize:chain`` action, ``delivers`` / ``delivered_by``;
-# 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``; 2: ``stash``
+# 10: ``loss_reserve``; 9: ``softmax_in_place``; 8: ``extra_seconds``; 7: ``region_remakes``;
+# 6: ``region_starts``; 5: the ``rematerialize:through`` action; 4: the ``rematerialize:chain`` action,
+# ``delivers`` / ``delivered_by``; 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``;
+# 2: ``stash``
 SCHEMA_VERSION = 10
 ACTIONS = ("keep", "recompute", "rematerialize", "offload", "compress")
 

@@ -173,3 +173,17 @@ def test_version_and_usage_errors_answer_without_loading_torch():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("autorecompute ") and "accepted budgets" in done.stderr
+
+
+def test_the_loss_reserve_is_auto_zero_or_bytes(user_models, capsys):
+    """``--loss-reserve`` reaches the plan: 'auto' sizes it from the outputs, 0 and sizes are taken as given;
+    a fraction is refused (a reserve is bytes)."""
+    from autorecompute.cli import reserve_arg
+
+    assert reserve_arg("auto") == "auto" and reserve_arg("0") == 0 and reserve_arg("64MB") == 64_000_000
+    with pytest.raises(argparse.ArgumentTypeError, match="'auto', or bytes"):
+        reserve_arg("0.5")
+    assert main(["plan", "user_models:make", "--budget", "0.9", "--solver-time-limit", "1",
+                 "--loss-reserve", "1MiB", "--out", "plan.json"]) == 0
+    import autorecompute
+    assert autorecompute.Plan.from_json((user_models / "plan.json").read_text()).loss_reserve == 2**20
