@@ -505,6 +505,7 @@ class CausalAttention(torch.nn.Module):
         return x
 
 
+@pytest.mark.slow
 def test_the_minimum_peak_is_a_budget_the_planner_accepts():
     """Planning at ``minimum_peak``'s answer found a cheaper plan lower in the model, which replaced the
     minimum-peak plan before it was verified; that plan measured higher, the unverified one was dropped, and
@@ -619,6 +620,7 @@ def test_a_compiled_module_with_offload_copies_and_saves(copy_of, tmp_path):
     assert again.peak == before.peak and all(torch.equal(again.grads[n], g) for n, g in eager.grads.items())
 
 
+@pytest.mark.slow
 def test_a_plan_is_made_again_when_more_is_allocated_on_the_device(monkeypatch):
     """On CUDA a plan counts what is allocated on the device beside the model when it is made (cuBLAS
     workspaces, optimizer state); when more is allocated at a later call — Adam's state after the first
@@ -1035,6 +1037,7 @@ def test_compress_dtypes_are_named_or_given_as_torch_dtypes():
         chosen((torch.float32,))
 
 
+@pytest.mark.slow
 def test_a_model_changed_by_its_library_during_capture_is_planned_once():
     """transformers installs output-collecting hooks on a Mixtral's first call with ``output_router_logits``;
     the plan is kept for the model as its steps find it afterwards: one plan for one signature, not two."""

@@ -416,6 +416,7 @@ def _finds_nothing(*args, **kwargs) -> cpsat.SolverResult:
     return cpsat.SolverResult(None, "unknown", float("inf"), 0.0, float("inf"), 0.0)
 
 
+@pytest.mark.slow
 def test_when_cp_sat_finds_nothing_the_minimum_peak_start_is_tried_too(monkeypatch):
     """On deep chains CP-SAT's presolve does not finish within the limit and the plan is a heuristic's.
     Under a budget near √N's peak the usual start (``best_under``) is √N-like; the minimum-peak plan with
