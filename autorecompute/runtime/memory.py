@@ -119,10 +119,15 @@ def tensor_bytes(values: Iterable[Any]) -> int:
     return sum(seen.values())
 
 
-def step_state(module: torch.nn.Module, args: tuple, kwargs: dict) -> list:
-    """What is live before a step: parameters, buffers, existing gradients and the inputs."""
+def module_state(module: torch.nn.Module) -> list[torch.Tensor]:
+    """What a module holds before a step: its parameters, buffers and existing gradients."""
     params = list(module.parameters())
-    return [*params, *module.buffers(), *[p.grad for p in params if p.grad is not None], args, kwargs]
+    return [*params, *module.buffers(), *[p.grad for p in params if p.grad is not None]]
+
+
+def step_state(module: torch.nn.Module, args: tuple, kwargs: dict) -> list:
+    """What is live before a step: :func:`module_state` and the inputs."""
+    return [*module_state(module), args, kwargs]
 
 
 def resident_bytes(module: torch.nn.Module, args: tuple, kwargs: dict) -> int:
@@ -332,8 +337,7 @@ def _state_tensors(state: Iterable[Any]):
     """The tensors behind ``state``: a module's parameters, buffers and gradients; tensors in pytrees."""
     for item in state:
         if isinstance(item, torch.nn.Module):
-            params = list(item.parameters())
-            yield from (*params, *item.buffers(), *(p.grad for p in params if p.grad is not None))
+            yield from module_state(item)
         else:
             yield from (t for t in tree_flatten(item)[0] if isinstance(t, torch.Tensor))
 
