@@ -34,11 +34,11 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Mapping
 
-from autorecompute.problem import Problem
+from autorecompute.decisions import Action, Op, Rewrite, Stashed
+from autorecompute.problem import Indexed, Problem
 
-
-NEW_REGION = "new region"   # a decision: recompute the op, in a region of its own from it on (see region_ids)
-REMAKE = "remake inputs"    # the same, and the region makes its inputs from the region before it again (see remakes)
+NEW_REGION = Op.NEW_REGION   # recompute the op, in a region of its own from it on (see region_ids)
+REMAKE = Op.REMAKE           # the same, and the region makes its inputs from the region before it again (remakes)
 
 
 def region_ids(problem: Problem, recompute: Mapping[str, bool | str]) -> list[int]:
@@ -177,7 +177,7 @@ def region_ends(problem: Problem, region: list[int]) -> dict[int, int] | None:
     return ends
 
 
-def _holders(static: "_Static", i: int, region: list[int], ends: Mapping[int, int] | None,
+def _holders(static: Indexed, i: int, region: list[int], ends: Mapping[int, int] | None,
              made: Mapping[int, int] | None = None) -> tuple[int, bool, bool, int]:
     """``(owner's region, held as a region input, held by a kept saver, last position anything holds it)``
     of activation ``i`` (-1: nothing does); ``ends``: :func:`region_ends`; ``made``: :func:`remakes`."""
@@ -366,80 +366,13 @@ def memory_timeline(problem: Problem, recompute: Mapping[str, bool], stash: Stas
     return memory_components(problem, recompute, stash).total
 
 
-def _per_problem(cache: dict, problem: Problem, compute):
-    """``compute()`` once per problem: the last problem's result is kept in ``cache``, and only it (one
-    problem at a time: do not keep old graphs alive)."""
-    cached = cache.get(id(problem))
-    if cached is None or cached[0] is not problem:
-        cache.clear()
-        cached = cache[id(problem)] = (problem, compute())
-    return cached[1]
-
-
-@dataclass(frozen=True)
-class _Static:
-    """What the memory model looks up for every decision set, once per problem: chain indices, not names.
-
-    Per activation (in ``problem.activations`` order): its owner's chain index (-1: not in the chain), its
-    readers' and its earliest saver's (-1: none), each saver's ``(chain index or -1, backward position)``,
-    ``read_end`` and whether it can be stashed at all. Per chain op: whether it is recomputable and, for an
-    op that saves, its backward position (-1 otherwise). Per position: the chain index of its backward op.
-    Per owner: the activations it owns."""
-
-    index: dict[str, int]
-    by_name: dict[str, int]
-    owner: tuple[int, ...]
-    readers: tuple[tuple[int, ...], ...]
-    savers: tuple[tuple[tuple[int, int], ...], ...]
-    first_saver: tuple[int, ...]
-    read_end: tuple[int, ...]
-    stashable: tuple[bool, ...]
-    recomputable: tuple[bool, ...]
-    saving_end: tuple[int, ...]
-    backward_chain: tuple[int, ...]
-    owned: dict[str, list]
-
-
-def _static(problem: Problem) -> _Static:
-    def compute() -> _Static:
-        index = problem.index()
-        backward = backward_positions(problem)
-        acts = problem.activations
-        owned: dict[str, list] = {}
-        for act in acts:
-            owned.setdefault(act.owner, []).append(act)
-        savers = tuple(tuple((index.get(s, -1), act.saver_end(k)) for k, s in enumerate(act.savers)) for act in acts)
-        return _Static(
-            index=index,
-            by_name={act.name: i for i, act in enumerate(acts)},
-            owner=tuple(index.get(act.owner, -1) for act in acts),
-            readers=tuple(tuple(index[c] for c in act.readers if c in index) for act in acts),
-            savers=savers,
-            first_saver=tuple(min((k for k, _ in pairs if k >= 0), default=-1) for pairs in savers),
-            read_end=tuple(act.read_end for act in acts),
-            stashable=tuple(bool(act.savers) and act.save_end >= act.hold_start for act in acts),
-            recomputable=tuple(op in problem.recomputable for op in problem.chain),
-            saving_end=tuple(backward.get(op, problem.num_positions - 1)
-                             if problem.saves is not None and op in problem.saves else -1 for op in problem.chain),
-            backward_chain=tuple(index.get(problem.backward_op.get(p), -1) for p in range(problem.num_positions)),
-            owned=owned)
-    return _per_problem(_STATIC, problem, compute)
-
-
-_STATIC: dict[int, tuple[Problem, _Static]] = {}
+def _static(problem: Problem) -> Indexed:
+    return problem.indexed
 
 
 def backward_positions(problem: Problem) -> dict[str, int]:
     """op → its (last) backward position (from ``problem.backward_op``)."""
-    def compute() -> dict[str, int]:
-        positions: dict[str, int] = {}
-        for position, op in problem.backward_op.items():
-            positions[op] = max(positions.get(op, -1), position)
-        return positions
-    return _per_problem(_BACKWARD, problem, compute)
-
-
-_BACKWARD: dict[int, tuple[Problem, dict]] = {}
+    return problem.backward_positions
 
 
 def predicted_peak(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> int:
@@ -474,3 +407,28 @@ def extra_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | N
     regions = max(ids, default=-1) + 1
     effective = _effective_stash(problem, recompute, stash, ids, region_ends(problem, ids), made) if stash else {}
     return ops + problem.region_cost * regions + _cost_of(problem, effective)
+
+
+def rewrite_of(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None,
+               softmax_in_place: tuple[str, ...] = ()) -> Rewrite:
+    """What the rewrite passes need to carry out the search's decisions: an :class:`Op` per recomputable op
+    as the regions take effect (a cut only where a region begins right after another, a remake only where
+    :func:`remakes` allows it), and each stash choice with its prefetch event and recipe."""
+    ids = region_ids(problem, recompute)
+    made = remakes(problem, recompute, ids)
+    ops = {}
+    for k, op in enumerate(problem.chain):
+        if op not in problem.recomputable:
+            continue
+        if ids[k] < 0:
+            ops[op] = Op.KEEP
+        elif k and ids[k - 1] >= 0 and ids[k] != ids[k - 1]:
+            ops[op] = Op.REMAKE if recompute.get(op) == REMAKE and ids[k] in made else Op.NEW_REGION
+        else:
+            ops[op] = Op.RECOMPUTE
+    stashed = {}
+    for name, action in (stash or {}).items():
+        option = problem.stash_option(name, action)
+        stashed[name] = Stashed(Action.parse(action), option.restored_from - problem.num_forward, option.recipe,
+                                option.delivers)
+    return Rewrite(ops, stashed, tuple(softmax_in_place))

@@ -16,6 +16,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from autorecompute.budget import format_bytes
+from autorecompute.decisions import Action, Op, Rewrite, Stashed
+from autorecompute.fates import ACTIONS, FATES, NOTHING_HELD, fate, plural  # noqa: F401 (the plan's words)
 from autorecompute.problem import GRADIENT
 
 # 10: ``loss_reserve``; 9: ``softmax_in_place``; 8: ``extra_seconds``; 7: ``region_remakes``;
@@ -23,30 +25,6 @@ from autorecompute.problem import GRADIENT
 # ``delivers`` / ``delivered_by``; 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``;
 # 2: ``stash``
 SCHEMA_VERSION = 10
-ACTIONS = ("keep", "recompute", "rematerialize", "offload", "compress")
-
-# What happens to a tensor autograd holds for backward, in the words every view of a plan uses (summary,
-# table, HTML page, graph, timeline), and what each means; an action's variant ("offload:late",
-# "compress:bfloat16", "rematerialize:chain") is the way it is done.
-FATES = {
-    "kept": "stays on the device from forward to its backward",
-    "recomputed": "dropped after forward; its checkpointed region of ops runs again in backward",
-    "rematerialized": "dropped after forward; made again alone, by its own op or a short chain, when backward "
-                      "needs it",
-    "offloaded": "copied off the device (host memory or disk) after forward and back for backward",
-    "compressed": "held in a smaller dtype until backward decodes it",
-}
-NOTHING_HELD = "nothing held"       # an op none of whose tensors autograd keeps (views, temporaries)
-_FATE_OF_ACTION = {"keep": "kept", "recompute": "recomputed", "rematerialize": "rematerialized",
-                   "offload": "offloaded", "compress": "compressed"}
-
-
-def fate(action: str) -> str:
-    """The word for an action: ``fate("offload:late") == "offloaded"``, ``fate("compress:bfloat16") ==
-    "compressed"``."""
-    return _FATE_OF_ACTION[action.split(":")[0]]
-
-
 _ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
              "float32": 4, "float64": 8, "complex64": 8, "complex128": 16}
 
@@ -370,6 +348,17 @@ class Plan:
                          for k, v in data.get("stash", {}).items()}
         return cls(**data)
 
+    @property
+    def rewrite(self) -> Rewrite:
+        """What the rewrite passes need to carry this plan out (:func:`autorecompute.passes.apply_plan.apply_plan`):
+        a plan loaded from JSON applies to a freshly captured model without solving."""
+        remakes, starts = set(self.region_remakes), set(self.region_starts)
+        ops = {op: Op.REMAKE if op in remakes else Op.NEW_REGION if op in starts else
+               Op.RECOMPUTE if decision == "recompute" else Op.KEEP for op, decision in self.decisions.items()}
+        stash = {name: Stashed(Action.parse(record.action), record.prefetch_event, record.recipe, record.delivers)
+                 for name, record in self.stash.items() if not record.delivered_by}
+        return Rewrite(ops, stash, tuple(self.softmax_in_place))
+
     # ---- reading ---------------------------------------------------------------------------------------
     def summary(self) -> str:
         """What the plan does, in the words of :data:`FATES`: the lines' counts and bytes are
@@ -478,8 +467,8 @@ class Plan:
         return self.summary() + "\n" + format_table(self)
 
     def __repr__(self) -> str:
-        # one line (the generated repr spelled out every node record and the timeline: 37 KB on a small GPT-2,
-        # so that printing ``compiled.plans`` flooded a terminal); ``str`` and ``summary()`` say the rest
+        # one line: the generated repr would spell out every node record and the timeline, and printing
+        # ``compiled.plans`` would flood a terminal; ``str`` and ``summary()`` say the rest
         stats = self.fates()
         moved = "".join(f", {plural(stats[word]['tensors'], 'tensor')} {word}" for word in (
             "rematerialized", "offloaded", "compressed") if stats[word]["tensors"])
@@ -509,10 +498,6 @@ class Plan:
         from autorecompute.report import plot_memory
 
         return plot_memory(self, path, ax)
-
-
-def plural(count: int, noun: str) -> str:
-    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def _why(action: str, node: NodeRecord, held_at_peak: bool, stashed: list[StashRecord] = (), kept: int = 0) -> str:

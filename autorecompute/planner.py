@@ -1,8 +1,8 @@
-"""The planning pipeline for one input signature: capture → profile → problem → solve → rewrite → verify.
+"""The planning pipeline for one input signature: capture → profile → problem → search → Plan.
 
-Every candidate plan is rewritten and its step re-measured on fake tensors; if the memory model was
-optimistic the solver runs again under a tighter internal budget, and the verified minimum-peak plan is the
-fallback. A returned plan therefore never predicts more than its budget.
+The search (:mod:`autorecompute.search`) verifies every candidate — carried out on the graph, its step
+measured on fake tensors — so a returned plan never predicts more than its budget. The Plan is built from
+the chosen decisions' :class:`~autorecompute.decisions.Rewrite`, the same object the rewrite carries out.
 """
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ import logging
 import math
 import numbers
 import os
-import sys
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterator
 
 import torch
@@ -25,8 +24,8 @@ from torch.utils._pytree import tree_map_only
 
 from autorecompute.budget import parse_budget, resolve_budget
 from autorecompute.errors import InfeasibleBudgetError, user_stacklevel
-from autorecompute.memory_model import (REMAKE, effective_stash, extra_cost, extra_flops, held_at, memory_components,
-                                         memory_timeline, predicted_peak, region_ids, remakes)
+from autorecompute.memory_model import (REMAKE, extra_cost, extra_flops, held_at, memory_components,
+                                         memory_timeline, predicted_peak, region_ids, remakes, rewrite_of)
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import callers_autocast, capture
 from autorecompute.passes.profile import node_info, step_profile, profile_step
@@ -41,7 +40,7 @@ from autorecompute.runtime.codecs import CODECS
 from autorecompute.runtime.memory import AUTO
 from autorecompute.runtime.stash import StashedModule, StashRuntime, distributed
 from autorecompute.runtime.tiers import check_writable
-from autorecompute.solvers import cpsat, greedy
+from autorecompute.search import Search, SearchPlan as Decisions, Strategies
 from autorecompute.transfer import TransferModel, counting_flops, default_for
 
 log = logging.getLogger("autorecompute")
@@ -49,19 +48,7 @@ log = logging.getLogger("autorecompute")
 SUPPORTED_ACTIONS = ("recompute", "offload", "compress")
 OBJECTIVES = ("time", "flops")
 DEFAULT_ACTIONS = ("recompute", "offload")      # the lossless ones
-MAX_TIGHTENINGS = 4
-NEAR_MINIMUM = 1.15   # budgets below this multiple of the heuristic minimum get a CP-SAT minimum-peak solve
-# the minimum-peak local search's work per second of solver time (greedy.lower_peak: evaluations × problem
-# size), at least one second's: about half a second per second of limit on a 2-core CPU (recompute only)
-# when it runs to the end; on the benchmark models it ends sooner, where no single or group change lowers
-# the peak
-LOCAL_SEARCH_WORK = 2_000_000
-# the cost local search's work per second of solver time (greedy.lower_cost, after each cost solve that is not
-# optimal): about 0.4 s per second of limit on a 2-core CPU when it runs to the end; in the benchmark suite,
-# Llama's least-FLOPs plan at √N's peak runs 34.6 MFLOP again instead of 37.7 (31.5 with 4× the limit)
-COST_SEARCH_WORK = 500_000
 
-Decisions = tuple[dict[str, bool], dict[str, str]]     # (op → recomputed, activation → stash action)
 
 
 @dataclass(frozen=True)
@@ -76,6 +63,7 @@ class PlannerOptions:
     transfer: TransferModel | None = None
     objective: str = "time"
     loss_reserve: int | str = "auto"
+    strategies: Strategies = Strategies()     # the searches combined (tests pass stubs)
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -160,10 +148,6 @@ def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return clone
 
 
-def _keep_all(problem: Problem) -> Decisions:
-    return {op: False for op in problem.chain if op in problem.recomputable}, {}
-
-
 def _device_type(args: tuple, kwargs: dict) -> str:
     from torch.utils._pytree import tree_flatten
 
@@ -197,7 +181,7 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
 
     A plan is for a training step whatever the caller's grad mode: under ``torch.no_grad()`` (a ``prepare``
     or ``plan`` call beside evaluation code) the capture would save nothing for backward, and that plan,
-    kept for these inputs, would be the training step's (1.17 MB measured against a 1 MB budget)."""
+    kept for these inputs, would be the training step's, and the step would exceed its budget."""
     with _unseen_by_callers_modes(), _unseen_by_callers_hooks(), torch.inference_mode(False), torch.enable_grad():
         # inputs made under inference_mode cannot be saved for backward: planned on ordinary copies, as the
         # training step's inputs will be
@@ -208,8 +192,8 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options
 
 def _unseen_by_callers_hooks() -> contextlib.AbstractContextManager:
     """Planning's fake steps out of the caller's saved-tensor hooks: ``torch.utils.checkpoint`` around a
-    compiled module counted them among what its forward saved, and its recomputation (which finds the plan
-    made) saved fewer: ``CheckpointError``. Only the innermost hooks pack, so identity hooks shield them."""
+    compiled module would count them among what its forward saves, and its recomputation (which finds the plan
+    made) saves fewer: ``CheckpointError``. Only the innermost hooks pack, so identity hooks shield them."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)   # (what checkpoint.py reads)
     if top is not None and top(False) is None:
         return contextlib.nullcontext()
@@ -222,10 +206,10 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _unseen_by_callers_modes() -> Iterator[None]:
-    """Planning's own steps (capture, fake steps, rewritten candidates) out of the caller's dispatch modes:
-    a ``LiveStorageTracker`` or ``FlopCounterMode`` around a first training call measured the planner's
-    fake tensors as the step's (a 6.26 MiB "peak" against a 2.38 MiB budget). A caller's ``FakeTensorMode``
-    (planning on fake inputs) stays: its tensors need it."""
+    """Planning's own steps (capture, fake steps, rewritten candidates) out of the caller's dispatch modes: a
+    ``LiveStorageTracker`` or ``FlopCounterMode`` around a first training call would count the planner's
+    fake tensors as the step's. A caller's ``FakeTensorMode`` (planning on fake inputs) stays: its tensors
+    need it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
@@ -239,42 +223,86 @@ def _unseen_by_callers_modes() -> Iterator[None]:
 
 def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options: PlannerOptions,
                signature: str) -> Planned:
+    """capture → profile → problem → search → Plan, then the calls bound on the module that runs."""
     started = time.perf_counter()
     entered = callers_autocast()
-    if _device_type(args, kwargs) == "meta" and entered:
-        warnings.warn("torch.autocast does not apply to tensors on the meta device: this plan is for the step "
-                      "without autocast (its activations in the model's dtype, so larger). Fix: plan on the device "
-                      "the steps run on, or convert the model to the low-precision dtype (model.bfloat16()) to "
-                      "size it on meta.", UserWarning, stacklevel=user_stacklevel())
+    _warn_of_autocast_on_meta(args, kwargs, entered)
     parsed = parse_budget(budget)
     gm = capture(model, args, kwargs)
     log.debug("capture: %.2f s, %d nodes", time.perf_counter() - started, len(gm.graph.nodes))
     t = time.perf_counter()
     profile = profile_step(gm, args, kwargs, options.loss_reserve)
+    transfer, speeds = _speeds(options, _device_type(args, kwargs))
+    problem = _build(gm, options, transfer, speeds)
+    log.debug("profile + problem: %.2f s, %d ops in chain, %d recomputable, %d activations, %d stashable",
+              time.perf_counter() - t, len(problem.chain), len(problem.recomputable), len(problem.activations),
+              len(problem.stash_options))
     reserve = profile.loss_reserve
-    device_type = _device_type(args, kwargs)
+    baseline_peak = _unoptimized_peak(gm, args, kwargs, profile.peak, reserve)
+    budget_bytes = resolve_budget(parsed, baseline_peak)
+    runtime = StashRuntime(options.offload_dir) if problem.stash_options else None
+    search = Search(problem, budget_bytes, baseline_peak, gm, _verifier(gm, problem, runtime, args, kwargs, reserve),
+                    options.solver_time_limit, options.seed, options.objective, options.strategies,
+                    in_thread=partial(_under_autocast, entered))
+    found = search.run()
+    if found is None:
+        peak = search.minimum()[1]
+        raise InfeasibleBudgetError(budget_bytes, peak, _breakdown(profile, peak), options.actions,
+                                    fraction=parsed if isinstance(parsed, float) else None, baseline=baseline_peak)
+    softmax_in_place, peak = _softmax_in_place(found.module, args, kwargs, budget_bytes, found.peak, reserve)
+    recompute, stash = found.decisions
+    rewrite = rewrite_of(problem, recompute, stash, softmax_in_place)
+    plan = Plan(
+        budget=budget_bytes, predicted_peak=peak, baseline_peak=baseline_peak,
+        minimum_peak=search.minimum_peak(peak), model_peak=predicted_peak(problem, recompute, stash),
+        decisions=rewrite.words, region_starts=rewrite.region_starts, region_remakes=rewrite.region_remakes,
+        softmax_in_place=rewrite.softmax_in_place, loss_reserve=reserve,
+        extra_flops=extra_flops(problem, recompute, stash), baseline_flops=sum(problem.flops.values()),
+        solver_status=found.status, solver_time=search.solve_time, solver_gap=found.gap,
+        plan_time=time.perf_counter() - started, actions=options.actions, objective=options.objective,
+        resident=dict(profile.resident), nodes=_node_records(gm, problem), model_name=type(model).__name__,
+        signature=signature, edges=_edges(gm, problem),
+        timeline=_timeline(problem, recompute, stash, profile.resident_bytes), num_forward=problem.num_forward,
+        at_peak=_at_peak(problem, recompute, stash), stash=_stash_records(gm, problem, stash),
+        extra_seconds=transfer.compute_seconds(extra_cost(
+            problem if speeds is transfer else _build(gm, options, transfer, transfer), recompute, stash)))
+    log.debug("plan: %s", plan.summary())
+    # last, on the module that runs: each op called through eager's own binding where that dispatches the same
+    # ops (the same kernels and allocations as verified; a microsecond less per call)
+    rewrite_calls(found.module.graph_module if isinstance(found.module, StashedModule) else found.module)
+    return Planned(plan=plan, module=found.module)
+
+
+def _warn_of_autocast_on_meta(args: tuple, kwargs: dict, entered: list) -> None:
+    if _device_type(args, kwargs) == "meta" and entered:
+        warnings.warn("torch.autocast does not apply to tensors on the meta device: this plan is for the step "
+                      "without autocast (its activations in the model's dtype, so larger). Fix: plan on the device "
+                      "the steps run on, or convert the model to the low-precision dtype (model.bfloat16()) to "
+                      "size it on meta.", UserWarning, stacklevel=user_stacklevel())
+
+
+def _speeds(options: PlannerOptions, device_type: str) -> tuple[TransferModel, TransferModel]:
+    """(the device's transfer model, the speeds recomputation is priced at: its own, or FLOPs alone)."""
     transfer = options.transfer or default_for(device_type)
     if device_type == "cpu" and transfer.overlaps_compute:
         # the CPU's disk tier copies on the training thread (runtime/tiers.py): nothing hides a copy there,
         # whatever a hand-made TransferModel says
         transfer = dataclasses.replace(transfer, overlaps_compute=False)
-    speeds = transfer if options.objective == "time" else counting_flops(transfer)
-    problem = _build(gm, options, transfer, speeds)
-    log.debug("profile + problem: %.2f s, %d ops in chain, %d recomputable, %d activations, %d stashable",
-              time.perf_counter() - t, len(problem.chain), len(problem.recomputable), len(problem.activations),
-              len(problem.stash_options))
-    baseline_peak = _unoptimized_peak(gm, args, kwargs, profile.peak, reserve)
-    budget_bytes = resolve_budget(parsed, baseline_peak)
-    runtime = StashRuntime(options.offload_dir) if problem.stash_options else None
+    return transfer, transfer if options.objective == "time" else counting_flops(transfer)
 
-    def under_autocast(fn, *args):
-        """``fn`` in another thread under the caller's ``torch.autocast`` (thread-local state): a step planned
-        under autocast is measured as it runs (the hint's check in the pool measured it in float32)."""
-        with contextlib.ExitStack() as stack:
-            for device_type, dtype in entered:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype))
-            return fn(*args)
 
+def _under_autocast(entered: list, fn, *args):
+    """``fn`` under the caller's ``torch.autocast`` (thread-local state), for a check run in another thread:
+    a step planned under autocast is measured as it runs."""
+    with contextlib.ExitStack() as stack:
+        for device_type, dtype in entered:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        return fn(*args)
+
+
+def _verifier(gm: torch.fx.GraphModule, problem: Problem, runtime: StashRuntime | None, args: tuple, kwargs: dict,
+              reserve: int):
+    """``verify(plan) -> (module, peak)``: the plan carried out on a copy of ``gm``, its step measured."""
     def verify(decisions: Decisions) -> tuple[torch.nn.Module, int]:
         recompute, stash = decisions
         candidate = rewrite_recompute(clone_graph_module(gm), _decisions(problem, recompute),
@@ -287,210 +315,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
             delivers = {name: option.delivers for name, option in chosen.items() if option.delivers}
             candidate = StashedModule(rewrite_stash(candidate, stash, prefetch, runtime, recipes, delivers))
         return candidate, fake_step_memory(candidate, args, kwargs, reserve).peak
-
-    # 1. The lowest peak reachable: the minimum budget, the fallback, and the hint of the cost solve.
-    t = time.perf_counter()
-    heuristic = greedy.lowest_start(problem)
-    progress = sys.stderr.isatty()    # a live status line for people, nothing in logs and pipes
-    lowest = {"decisions": heuristic, "peak": predicted_peak(problem, *heuristic), "status": "heuristic",
-              "gap": 1.0, "time": 0.0, "verified": False}
-    # every minimum-peak plan verified so far, (module, verified peak, decisions): a later one can be lower in
-    # the model and higher when measured, so the fallback is the lowest measured, not the latest
-    verified_minimum: list[tuple[torch.nn.Module, int, Decisions]] = []
-    # minimum-peak plans a lower one (in the model) replaced before they were verified: verified with it, so
-    # the start — √N's over articulation points among them — is a fallback when the model is optimistic
-    replaced_unverified: list[Decisions] = []
-
-    def replace_lowest(decisions: Decisions, peak: int, status: str, gap: float) -> None:
-        if not lowest["verified"]:
-            replaced_unverified.append(lowest["decisions"])
-        lowest.update(decisions=decisions, peak=peak, status=status, gap=gap, verified=False)
-
-    def lower_minimum(time_limit: float) -> None:
-        """Asks CP-SAT for a lower minimum-peak plan than the best so far (which hints it), then a local
-        search from the best (CP-SAT can stop where one change lowers the peak)."""
-        decisions = lowest["decisions"]
-        solved = cpsat.solve_in_stages(problem, minimize="peak", time_limit=time_limit, seed=options.seed,
-                             hint=decisions[0], hint_stash=decisions[1], progress=progress)
-        lowest["time"] += solved.wall_time
-        if solved.recompute is not None and solved.objective <= lowest["peak"]:
-            replace_lowest((solved.recompute, effective_stash(problem, solved.recompute, solved.stash)),
-                           solved.objective, solved.status, solved.gap)
-        t = time.perf_counter()
-        polished = greedy.lower_peak(problem, lowest["decisions"], work=int(LOCAL_SEARCH_WORK * max(1.0, time_limit)),
-                                     seed=options.seed)
-        lowest["time"] += time.perf_counter() - t
-        peak = predicted_peak(problem, *polished)
-        if peak < lowest["peak"]:
-            replace_lowest(polished, peak, "feasible (local search)", lowest["gap"])
-
-    if budget_bytes < NEAR_MINIMUM * lowest["peak"]:
-        # the minimum matters only when the budget is close to it: then ask CP-SAT for a lower one (a budget far
-        # below it too: the same searches as at any budget under the minimum, so that the minimum an
-        # InfeasibleBudgetError names, given as the budget, finds the plan it was measured from)
-        lower_minimum(options.solver_time_limit / 4)
-    log.debug("minimum peak (model) %d, %s in %.2f s", lowest["peak"], lowest["status"], time.perf_counter() - t)
-
-    def minimum() -> tuple[torch.nn.Module, int, Decisions]:
-        """The lowest measured minimum-peak plan; the plans found since the last call (the latest and those
-        it replaced) are verified when a decision first needs the minimum."""
-        if not lowest["verified"] or replaced_unverified:
-            # the plans it replaced too: a fake step each (well under a second on the benchmark models), and
-            # plans equal in the model can differ when measured (VGG with offload: 3.98, 4.17 and 4.50 MB at
-            # one model peak of 4.50 MB)
-            for decisions in ([] if lowest["verified"] else [lowest["decisions"]]) + replaced_unverified:
-                model_peak = predicted_peak(problem, *decisions)
-                module, peak = verify(decisions) if model_peak < baseline_peak else (gm, baseline_peak)
-                verified_minimum.append((module, peak, decisions) if peak < baseline_peak else
-                                        (gm, baseline_peak, _keep_all(problem)))
-                log.debug("minimum-peak plan: %d in the model, %d measured", model_peak, peak)
-            replaced_unverified.clear()
-            lowest["verified"] = True
-        return min(verified_minimum, key=lambda entry: entry[1])
-
-    def infeasible() -> InfeasibleBudgetError:
-        peak = minimum()[1]
-        return InfeasibleBudgetError(budget_bytes, peak, _breakdown(profile, peak), options.actions,
-                                     fraction=parsed if isinstance(parsed, float) else None,
-                                     baseline=baseline_peak)
-
-    cost_solve_time = 0.0
-
-    def cheapest_fitting(internal: int):
-        """The cheapest plan whose verified peak fits the budget, re-solved under a tighter internal budget
-        while verification finds the model optimistic; None when the tightening reaches the model's minimum."""
-        nonlocal cost_solve_time
-        if internal < lowest["peak"] and lowest["verified"] and minimum()[1] <= internal:
-            # The model over-predicts near its minimum (the minimum-peak plan measures lower than it says):
-            # search under the budget as the model sees it there; verification below still decides. (Only
-            # once the minimum is verified anyway: a budget far below it must not pay for a verification.)
-            internal += lowest["peak"] - minimum()[1]
-        for _ in range(MAX_TIGHTENINGS):
-            if internal < lowest["peak"]:
-                return None, internal   # tighter than the model's own minimum: the minimum-peak plan is the answer
-            segments = greedy.best_under(problem, internal)
-            hint = segments or greedy.descend(problem, internal, lowest["decisions"])
-            # Verify the hint on the other core while CP-SAT (which releases the GIL) tries to beat it.
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                hint_verified = pool.submit(under_autocast, verify, hint)
-                result = cpsat.solve_in_stages(problem, budget=internal, minimize="cost",
-                                     time_limit=options.solver_time_limit, seed=options.seed, hint=hint[0],
-                                     hint_stash=hint[1], progress=progress,
-                                     zero_flops_first=options.objective == "flops")
-                best, status = hint, f"heuristic (cp-sat {result.status})"
-                if result.recompute is not None:
-                    solved = (result.recompute, effective_stash(problem, result.recompute, result.stash))
-                    if predicted_peak(problem, *solved) <= internal:
-                        if extra_cost(problem, *solved) < extra_cost(problem, *hint):
-                            best, status = solved, result.status
-                        elif result.status == "optimal":
-                            status = "optimal"     # the hint costs no more than CP-SAT's proven optimum
-                candidate, candidate_peak = hint_verified.result()
-            cost_solve_time += result.wall_time
-            if status != "optimal":
-                # CP-SAT on a long chain stops where keeping one op, with one change that makes room, is cheaper
-                t = time.perf_counter()
-                polished = greedy.lower_cost(problem, internal, best,
-                                             work=int(COST_SEARCH_WORK * options.solver_time_limit))
-                if result.recompute is None and segments:
-                    # CP-SAT found nothing (a deep chain: its presolve does not finish; or its region bound
-                    # counts the start over the budget) and the local search ran from the segment plans' start,
-                    # which under a budget near √N's peak is √N's plan: the other start too (when the hint was
-                    # not it already), the minimum-peak plan with the dearest ops kept while they fit (12-layer
-                    # Llama at √N's peak: 269 → 240 MFLOP)
-                    other = greedy.lower_cost(problem, internal, greedy.descend(problem, internal, lowest["decisions"]),
-                                              work=int(COST_SEARCH_WORK * options.solver_time_limit))
-                    if _fits_cheaper(problem, internal, other, than=polished):
-                        polished = other
-                if extra_cost(problem, *polished) < extra_cost(problem, *best):
-                    best, status = polished, "feasible (local search)"
-                if result.recompute is None and len(problem.recomputable) > cpsat.WINDOW_OPS:
-                    # CP-SAT found nothing on the whole chain: CP-SAT over windows of it, the rest fixed
-                    # (6-layer Llama at batch 16, at √N's peak: 407 → 344 MFLOP)
-                    windowed = cpsat.solve_in_windows(problem, best, budget=internal,
-                                                      time_limit=options.solver_time_limit, seed=options.seed)
-                    if _fits_cheaper(problem, internal, windowed, than=best):
-                        best, status = windowed, "feasible (cp-sat windows)"
-                # CP-SAT over the same stretch of every repeated layer at once: the trades between layers far
-                # apart that neither the whole chain's model (too large for the limit) nor a window of the
-                # chain (a layer or two) makes (cpsat.block_windows: 6-layer GPT at √N's peak, least FLOPs,
-                # 35.7 → 0 MFLOP run again)
-                across = cpsat.solve_in_windows(problem, best, budget=internal, seed=options.seed,
-                                                time_limit=options.solver_time_limit,
-                                                windows=cpsat.block_windows(problem))
-                if _fits_cheaper(problem, internal, across, than=best):
-                    best, status = across, "feasible (cp-sat across layers)"
-                cost_solve_time += time.perf_counter() - t
-            cost = extra_cost(problem, *best)
-            gap = 0.0 if status == "optimal" else max(0.0, (cost - result.bound) / cost) if cost else 0.0
-            if best is not hint:
-                candidate, candidate_peak = verify(best)
-            model_peak = predicted_peak(problem, *best)
-            log.debug("cost solve under %d: %s, model peak %d, verified %d", internal, status, model_peak,
-                      candidate_peak)
-            if model_peak < lowest["peak"]:
-                # below the minimum-peak solve's best (it had less time): the lowest plan known now; the one it
-                # replaces, if not verified yet, is verified with the next (lower in the model is not lower
-                # measured: a minimum_peak() answer given as the budget was refused without it)
-                if not lowest["verified"]:
-                    replaced_unverified.append(lowest["decisions"])
-                lowest.update(decisions=best, peak=model_peak, status="feasible", verified=True)
-                verified_minimum.append((candidate, candidate_peak, best))
-            if candidate_peak <= budget_bytes:
-                return (best, candidate, candidate_peak, status, gap), internal
-            # below this plan's own model peak, so the next solve cannot return it again
-            internal = min(internal, model_peak) - (candidate_peak - budget_bytes) \
-                - max(1, (budget_bytes - lowest["peak"]) // 16)
-        return None, internal
-
-    # 2. The cheapest plan under the budget; the verified minimum-peak plan is the last resort.
-    status, gap = "trivial", 0.0
-    chosen, module, peak = _keep_all(problem), gm, baseline_peak
-    if budget_bytes < baseline_peak:
-        found, internal = cheapest_fitting(budget_bytes)
-        if found is None and lowest["status"] != "optimal":
-            # Before falling back to the minimum-peak plan or saying "infeasible", spend the full time limit on
-            # the minimum: a short solve (or the heuristic alone) can leave it well above the true one — the
-            # fallback would cost more than needed (GPT-2 at 55% of eager: +67% of its FLOPs, not +25%) and the
-            # error would name a wrong minimum. (Not when the budget is the verified minimum, within 1%: no
-            # room for a cheaper plan.)
-            room = budget_bytes - minimum()[1]
-            if room < 0 or room >= budget_bytes // 100:
-                lower_minimum(options.solver_time_limit)
-                found, _ = cheapest_fitting(min(internal, budget_bytes))
-        if found is not None:
-            chosen, module, peak, status, gap = found
-        else:
-            module, peak, chosen = minimum()
-            if peak > budget_bytes:
-                raise infeasible()
-            status, gap = "fallback (minimum-peak plan)", lowest["gap"]
-    solve_time = lowest["time"] + cost_solve_time
-    softmax_in_place, peak = _softmax_in_place(module, args, kwargs, budget_bytes, peak, reserve)
-    # the lowest verified minimum-peak plan, the latest one (model estimate) if not verified, the plan itself
-    minimum_peak = min([entry[1] for entry in verified_minimum] + [peak]
-                       + ([] if lowest["verified"] else [lowest["peak"]]))
-    recompute, stash = chosen
-
-    plan = Plan(
-        budget=budget_bytes, predicted_peak=peak, baseline_peak=baseline_peak, minimum_peak=minimum_peak,
-        model_peak=predicted_peak(problem, recompute, stash), decisions=_decisions(problem, recompute),
-        region_starts=_region_starts(problem, recompute), region_remakes=_region_remakes(problem, recompute),
-        softmax_in_place=softmax_in_place, loss_reserve=reserve,
-        extra_flops=extra_flops(problem, recompute, stash), baseline_flops=sum(problem.flops.values()),
-        solver_status=status, solver_time=solve_time, solver_gap=gap,
-        plan_time=time.perf_counter() - started, actions=options.actions, objective=options.objective, resident=dict(profile.resident),
-        nodes=_node_records(gm, problem), model_name=type(model).__name__, signature=signature,
-        edges=_edges(gm, problem), timeline=_timeline(problem, recompute, stash, profile.resident_bytes),
-        num_forward=problem.num_forward, at_peak=_at_peak(problem, recompute, stash),
-        stash=_stash_records(gm, problem, stash),
-        extra_seconds=transfer.compute_seconds(extra_cost(
-            problem if speeds is transfer else _build(gm, options, transfer, transfer), recompute, stash)))
-    log.debug("plan: %s", plan.summary())
-    # last, on the module that runs: each op called through eager's own binding where that dispatches the same
-    # ops (the same kernels and allocations as verified; a microsecond less per call)
-    rewrite_calls(module.graph_module if isinstance(module, StashedModule) else module)
-    return Planned(plan=plan, module=module)
+    return verify
 
 
 def _unoptimized_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, profiled: int, reserve: int) -> int:
@@ -532,11 +357,6 @@ def _build(gm: torch.fx.GraphModule, options: PlannerOptions, transfer, speeds) 
     return build_problem(gm, recompute="recompute" in options.actions,
                          offload=transfer if "offload" in options.actions else None,
                          compress_dtypes=options.dtypes, device=speeds, offload_gradients=not distributed())
-
-
-def _fits_cheaper(problem: Problem, budget: int, plan: Decisions, than: Decisions) -> bool:
-    """Whether ``plan`` fits ``budget`` in the memory model and costs less than ``than``."""
-    return predicted_peak(problem, *plan) <= budget and extra_cost(problem, *plan) < extra_cost(problem, *than)
 
 
 def _stash_records(gm: torch.fx.GraphModule, problem: Problem, stash: dict[str, str]) -> dict[str, StashRecord]:

@@ -1,7 +1,7 @@
 """The planning problem as pure data: no FX node, no tensor — names and integers.
 
 A :class:`Problem` is what the solvers see. It is built from a profiled graph by
-:func:`autorecompute.passes.problem_from_graph.build_problem`, or by hand in tests.
+:func:`autorecompute.passes.build_problem.build_problem`, or by hand in tests.
 
 Timeline: positions ``0 .. num_forward-1`` are the forward ops in order, then one position per backward
 event (the backward of an op, in the order autograd ran them). ``fixed[p]`` is the memory at ``p`` that no
@@ -18,6 +18,8 @@ its :class:`StashOption`; see docs/architecture.md for the memory rules.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable
 
 GRADIENT = "grad:"     # prefix of the parameter gradients among the activations (offloadable, see build_problem)
 
@@ -135,6 +137,26 @@ class Problem:
     # decoder's are two stacks), in chain order: per-block checkpointing's regions
     blocks: tuple[tuple[str, ...], ...] = ()
 
+    @cached_property
+    def backward_positions(self) -> dict[str, int]:
+        """op → its (last) backward position (from ``backward_op``)."""
+        positions: dict[str, int] = {}
+        for position, op in self.backward_op.items():
+            positions[op] = max(positions.get(op, -1), position)
+        return positions
+
+    @cached_property
+    def indexed(self) -> Indexed:
+        """The problem by chain indices, which the memory model reads for every decision set."""
+        return _indexed(self)
+
+    def derived(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once for this problem, kept on it under ``key`` (a solver's facts of it)."""
+        memo = self.__dict__.setdefault("_derived", {})
+        if key not in memo:
+            memo[key] = compute()
+        return memo[key]
+
     @property
     def num_positions(self) -> int:
         return len(self.fixed)
@@ -155,3 +177,51 @@ class Problem:
         index = self.index()
         in_chain = [s for s in activation.savers if s in index]
         return min(in_chain, key=index.__getitem__) if in_chain else None
+
+
+@dataclass(frozen=True)
+class Indexed:
+    """What the memory model looks up for every decision set, once per problem: chain indices, not names.
+
+    Per activation (in ``problem.activations`` order): its owner's chain index (-1: not in the chain), its
+    readers' and its earliest saver's (-1: none), each saver's ``(chain index or -1, backward position)``,
+    ``read_end`` and whether it can be stashed at all. Per chain op: whether it is recomputable and, for an
+    op that saves, its backward position (-1 otherwise). Per position: the chain index of its backward op.
+    Per owner: the activations it owns."""
+
+    index: dict[str, int]
+    by_name: dict[str, int]
+    owner: tuple[int, ...]
+    readers: tuple[tuple[int, ...], ...]
+    savers: tuple[tuple[tuple[int, int], ...], ...]
+    first_saver: tuple[int, ...]
+    read_end: tuple[int, ...]
+    stashable: tuple[bool, ...]
+    recomputable: tuple[bool, ...]
+    saving_end: tuple[int, ...]
+    backward_chain: tuple[int, ...]
+    owned: dict[str, list]
+
+
+def _indexed(problem: "Problem") -> Indexed:
+    index = problem.index()
+    backward = problem.backward_positions
+    acts = problem.activations
+    owned: dict[str, list] = {}
+    for act in acts:
+        owned.setdefault(act.owner, []).append(act)
+    savers = tuple(tuple((index.get(s, -1), act.saver_end(k)) for k, s in enumerate(act.savers)) for act in acts)
+    return Indexed(
+        index=index,
+        by_name={act.name: i for i, act in enumerate(acts)},
+        owner=tuple(index.get(act.owner, -1) for act in acts),
+        readers=tuple(tuple(index[c] for c in act.readers if c in index) for act in acts),
+        savers=savers,
+        first_saver=tuple(min((k for k, _ in pairs if k >= 0), default=-1) for pairs in savers),
+        read_end=tuple(act.read_end for act in acts),
+        stashable=tuple(bool(act.savers) and act.save_end >= act.hold_start for act in acts),
+        recomputable=tuple(op in problem.recomputable for op in problem.chain),
+        saving_end=tuple(backward.get(op, problem.num_positions - 1)
+                         if problem.saves is not None and op in problem.saves else -1 for op in problem.chain),
+        backward_chain=tuple(index.get(problem.backward_op.get(p), -1) for p in range(problem.num_positions)),
+        owned=owned)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autorecompute.budget import format_bytes
-from autorecompute.plan import FATES, NOTHING_HELD, fate, plural
+from autorecompute.fates import FATES, NOTHING_HELD, fate, plural
 from autorecompute.report_fold import Fold, fate_label, fold_layers, index_ranges, layer_of, shows
 
 if TYPE_CHECKING:

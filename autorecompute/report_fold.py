@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Union
 
-from autorecompute.plan import NOTHING_HELD
+from autorecompute.fates import NOTHING_HELD
 
 Row = dict[str, Any]
 _NUMBERED = re.compile(r"(_\d+)+$")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from autorecompute.budget import format_bytes
-from autorecompute.plan import ACTIONS, NOTHING_HELD, fate, plural
+from autorecompute.fates import ACTIONS, NOTHING_HELD, fate, plural
 from autorecompute.report import FATE_COLORS
 from autorecompute.report_fold import Fold, Position, fate_label, index_ranges, shows
 

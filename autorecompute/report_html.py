@@ -12,7 +12,7 @@ import io
 from typing import TYPE_CHECKING
 
 from autorecompute.budget import format_bytes
-from autorecompute.plan import FATES, NOTHING_HELD
+from autorecompute.fates import FATES, NOTHING_HELD
 from autorecompute.report import _blocks, _offscreen_axes, output_text, plot_memory, row_label
 from autorecompute.report_fold import Fold, fate_label, fold_layers, index_ranges, shows
 from autorecompute.report_graph import chip, module_graph

@@ -423,10 +423,10 @@ def test_a_weak_first_minimum_does_not_make_a_feasible_budget_infeasible(monkeyp
     On the VGG-style net the heuristic's lowest peak is 6.11 MiB (model) and CP-SAT's 5.89 MiB: a budget
     between them must be planned, not refused.
     """
-    from autorecompute import planner
+    from autorecompute import search
 
     case = models.make("vgg")
-    monkeypatch.setattr(planner, "NEAR_MINIMUM", 0.0)      # no early CP-SAT minimum solve: the heuristic only
+    monkeypatch.setattr(search, "NEAR_MINIMUM", 0.0)      # no early CP-SAT minimum solve: the heuristic only
     budget = 6_300_000
     compiled = autorecompute.compile(case.model, budget=budget, actions=("recompute",), solver_time_limit=SOLVER_TIME)
     result = measured_step(compiled, case.model, case.args, case.kwargs)
@@ -435,11 +435,13 @@ def test_a_weak_first_minimum_does_not_make_a_feasible_budget_infeasible(monkeyp
 
 
 @pytest.mark.slow
-def test_the_minimum_peak_search_ends_where_no_single_change_lowers_it(monkeypatch):
+def test_the_minimum_peak_search_ends_where_no_single_change_lowers_it():
     """CP-SAT's minimum-peak search on GPT's long chain stops where one change lowers the peak; the local
     search after it (greedy.lower_peak) takes the minimum 12% lower. A budget at the new minimum is
     planned, and the step measured under it, with eager's gradients."""
-    from autorecompute.solvers import greedy
+    from autorecompute.api import _plan
+    from autorecompute.planner import PlannerOptions
+    from autorecompute.search import Strategies
 
     def minimum(case) -> int:
         return autorecompute.minimum_peak(case.model, *case.args, actions=("recompute",), solver_time_limit=SOLVER_TIME)
@@ -448,9 +450,11 @@ def test_the_minimum_peak_search_ends_where_no_single_change_lowers_it(monkeypat
     eager = measured_step(case.model, case.model, case.args, case.kwargs, seed=1)
     case.model.zero_grad(set_to_none=True)      # gradients left by a step would count as resident
     lowest = minimum(case)
-    with monkeypatch.context() as patched:
-        patched.setattr(greedy, "lower_peak", lambda problem, start, **_: start)
-        without = minimum(case)
+    without_local_search = PlannerOptions(actions=("recompute",), solver_time_limit=SOLVER_TIME,
+                                          strategies=Strategies(lower_peak=lambda problem, start, **_: start))
+    with pytest.raises(autorecompute.InfeasibleBudgetError) as refused:
+        _plan(case.model, case.args, case.kwargs, 1, without_local_search)
+    without = refused.value.minimum
     assert lowest <= 0.95 * without
     compiled = autorecompute.compile(case.model, budget=lowest, actions=("recompute",), solver_time_limit=SOLVER_TIME)
     result = measured_step(compiled, case.model, case.args, case.kwargs, seed=1)

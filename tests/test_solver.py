@@ -1,4 +1,5 @@
 """CP-SAT against brute force on tiny problems, and the memory model's rules on hand-built cases."""
+import dataclasses
 import itertools
 
 import pytest
@@ -7,6 +8,7 @@ from hypothesis import strategies as st
 
 from autorecompute.memory_model import extra_cost, extra_flops, memory_timeline, predicted_peak, rerun_ops
 from autorecompute.problem import Activation, Problem
+from autorecompute import search
 from autorecompute.solvers import cpsat, greedy
 from strategies import activations, early_stop_saves
 
@@ -55,14 +57,14 @@ def test_recomputing_a_run_drops_its_interior():
 def test_a_region_runs_again_up_to_its_last_save():
     """Checkpoint's early stop: op2 saves only what op0/op1 made (before it runs), op3 saves nothing."""
     p = chain_problem(5)
-    p = Problem(**{**p.__dict__, "recomputable": frozenset(p.chain), "saves": {"op0": False, "op1": True,
+    p = dataclasses.replace(p, **{"recomputable": frozenset(p.chain), "saves": {"op0": False, "op1": True,
                                                                                "op2": False}})
     everything = {op: True for op in p.chain}
     assert rerun_ops(p, everything) == ["op0", "op1"]
     assert rerun_ops(p, {"op0": True, "op1": True}) == ["op0", "op1"]     # op1 keeps its own output
     assert rerun_ops(p, {"op2": True, "op3": True, "op4": True}) == []     # nothing op2..4 saves is theirs
     assert extra_flops(p, everything) == 200
-    unknown = Problem(**{**p.__dict__, "saves": None})
+    unknown = dataclasses.replace(p, **{"saves": None})
     assert rerun_ops(unknown, everything) == list(p.chain)
 
 
@@ -339,7 +341,7 @@ def test_a_region_holds_its_inputs_until_the_last_backward_of_what_it_saves():
     mlp = {"m1": True, "m2": True}
     # at 3..7 a1's output (held by a2) and a2's (held by the region); at 8 a1's alone
     assert memory_timeline(p, mlp)[3:9] == [110, 110, 170, 210, 110, 100]
-    nothing_saved = Problem(**{**p.__dict__, "saves": {"a1": False, "a2": False, "out": False}})
+    nothing_saved = dataclasses.replace(p, **{"saves": {"a1": False, "a2": False, "out": False}})
     assert memory_timeline(nothing_saved, mlp)[3:9] == [100, 100, 160, 200, 100, 100]
 
 
@@ -402,7 +404,7 @@ def test_the_cost_local_search_keeps_an_op_with_one_change_that_makes_room():
     """Four ops, each 100-B output saved by the next: under 200 B, recomputing op1 and op2 costs 6; keeping
     op2 goes over alone and fits with op0 recomputed instead — 3, the brute-force optimum."""
     p = chain_problem(4, nbytes=100)
-    p = Problem(**{**p.__dict__, "cost": {"op0": 2, "op1": 1, "op2": 5, "op3": 1}})
+    p = dataclasses.replace(p, **{"cost": {"op0": 2, "op1": 1, "op2": 5, "op3": 1}})
     start = {"op0": False, "op1": True, "op2": True}
     assert predicted_peak(p, start) <= 200 and extra_cost(p, start) == 6
     assert extra_cost(p, greedy.descend(p, 200, (start, {}))[0]) == 6      # no op can be kept alone
@@ -416,69 +418,68 @@ def _finds_nothing(*args, **kwargs) -> cpsat.SolverResult:
     return cpsat.SolverResult(None, "unknown", float("inf"), 0.0, float("inf"), 0.0)
 
 
+def _plan_with(strategies, case, budget, **options):
+    """``autorecompute.plan`` with the search's strategies replaced."""
+    from autorecompute.api import _plan
+    from autorecompute.planner import PlannerOptions
+
+    return _plan(case.model, case.args, case.kwargs, budget, PlannerOptions(**options, strategies=strategies))
+
+
 @pytest.mark.slow
-def test_when_cp_sat_finds_nothing_the_minimum_peak_start_is_tried_too(monkeypatch):
+def test_when_cp_sat_finds_nothing_the_minimum_peak_start_is_tried_too():
     """On deep chains CP-SAT's presolve does not finish within the limit and the plan is a heuristic's.
     Under a budget near √N's peak the usual start (``best_under``) is √N-like; the minimum-peak plan with
     the dearest ops kept while they fit can be far cheaper: GPT at 0.9× √N's peak, CP-SAT made to find
     nothing, runs fewer extra FLOPs than the usual start polished by the same local search (56.6 → 21.0 M)."""
-    import autorecompute
     import models
-    from autorecompute import planner
     from autorecompute.passes.build_problem import build_problem
     from autorecompute.passes.capture import capture
     from autorecompute.passes.profile import profile_step
     from autorecompute.transfer import counting_flops, default_for
 
-    monkeypatch.setattr(planner.cpsat, "solve_in_stages", _finds_nothing)
-    monkeypatch.setattr(planner.cpsat, "solve_in_windows", lambda problem, start, **kwargs: start)   # (below)
     case = models.make("gpt")
     budget = 8_029_670
-    plan = autorecompute.plan(case.model, *case.args, budget=budget, objective="flops", actions=("recompute",),
-                              solver_time_limit=2)
+    local_only = search.Strategies(solve=_finds_nothing, refinements=search.Strategies.refinements[:1])
+    plan = _plan_with(local_only, case, budget, objective="flops", actions=("recompute",), solver_time_limit=2)
     gm = capture(case.model, case.args, {})
     profile_step(gm, case.args, {})
     problem = build_problem(gm, device=counting_flops(default_for("cpu")))
     usual = greedy.lower_cost(problem, budget, greedy.best_under(problem, budget),
-                              work=int(planner.COST_SEARCH_WORK * 2))
+                              work=int(search.COST_SEARCH_WORK * 2))
     assert plan.predicted_peak <= budget
     assert plan.extra_flops < extra_flops(problem, *usual)
 
 
 @pytest.mark.slow
-def test_when_cp_sat_finds_nothing_it_solves_windows_of_the_chain(monkeypatch):
+def test_when_cp_sat_finds_nothing_it_solves_windows_of_the_chain():
     """The full model found nothing (deep chains): CP-SAT over windows of 80 ops, the rest of the local
     search's plan fixed. GPT-2 at half its peak, least FLOPs: 33.6 → 18.9 MFLOP run again, within budget."""
     import autorecompute
     import models
-    from autorecompute import planner
 
-    monkeypatch.setattr(planner.cpsat, "solve_in_stages", _finds_nothing)
-    monkeypatch.setattr(planner.cpsat, "block_windows", lambda problem: [])     # (the test below)
     case = models.make("gpt2")
     budget = autorecompute.plan(case.model, *case.args, budget=1.0).baseline_peak // 2
 
-    def plan():
-        return autorecompute.plan(case.model, *case.args, budget=budget, objective="flops", actions=("recompute",),
-                                  solver_time_limit=2)
+    def plan(refinements):
+        strategies = search.Strategies(solve=_finds_nothing, refinements=refinements)
+        return _plan_with(strategies, case, budget, objective="flops", actions=("recompute",), solver_time_limit=2)
 
-    windowed = plan()
-    monkeypatch.setattr(planner.cpsat, "solve_in_windows", lambda problem, start, **kwargs: start)
-    local = plan()
+    windowed = plan(search.Strategies.refinements[:2])      # (across layers: the test below)
+    local = plan(search.Strategies.refinements[:1])
     assert windowed.solver_status == "feasible (cp-sat windows)"
     assert windowed.predicted_peak <= budget
     assert windowed.extra_flops < local.extra_flops
 
 
 @pytest.mark.slow
-def test_windows_across_layers_trade_between_layers_far_apart(monkeypatch):
+def test_windows_across_layers_trade_between_layers_far_apart():
     """At √N's peak (checkpoint_sequential's, measured) the 6-layer GPT's least-FLOPs plan ran 35.7 MFLOP
     again: CP-SAT's whole model does not finish and a chain window holds a layer or two. CP-SAT over the same
     stretch of every layer at once finds a plan that runs no matmul again; measured within the budget, with
     eager's gradients bit for bit."""
     import autorecompute
     import models
-    from autorecompute import planner
     from autorecompute.baselines import SqrtNCheckpointed
     from harness import assert_bitwise_equal, measured_step
 
@@ -493,9 +494,9 @@ def test_windows_across_layers_trade_between_layers_far_apart(monkeypatch):
         return compiled
 
     across = plan()
-    with monkeypatch.context() as patched:
-        patched.setattr(planner.cpsat, "block_windows", lambda problem: [])
-        within = plan().plan
+    case.model.zero_grad(set_to_none=True)
+    within = _plan_with(search.Strategies(refinements=search.Strategies.refinements[:2]), case, budget,
+                        objective="flops", actions=("recompute",), solver_time_limit=2)
     assert across.plan.solver_status == "feasible (cp-sat across layers)"
     assert across.plan.extra_flops < within.extra_flops / 4
     eager = measured_step(case.model, case.model, case.args, {})

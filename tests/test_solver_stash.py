@@ -1,5 +1,6 @@
 """The offload, compress and rematerialize choices in the memory model and CP-SAT: brute force on tiny problems, and the
 cheapest mix on hand-built cases (offload free when compute hides the copy, recompute cheaper otherwise)."""
+import dataclasses
 import itertools
 
 import pytest
@@ -8,7 +9,7 @@ from hypothesis import strategies as st
 
 from autorecompute.memory_model import effective_stash, extra_cost, memory_timeline, predicted_peak
 from autorecompute.passes.build_problem import stash_options
-from autorecompute.passes.profile import TensorInfo
+from autorecompute.passes.profile_records import TensorInfo
 from autorecompute.problem import Activation, Problem, StashOption
 from autorecompute.solvers import cpsat, greedy
 from strategies import activations, early_stop_saves
@@ -59,7 +60,7 @@ def test_a_stash_needs_a_kept_saver():
 def test_rematerialize_needs_its_op_and_inputs_on_the_device():
     p = two_layer(offload_cost=5, recompute_cost=100)
     remat = StashOption("rematerialize", 0, 2, 4, 7, needs_kept=("op0", "op1"), needs_unstashed=("t1",))
-    p = Problem(**{**p.__dict__, "stash_options": {"t0": (remat,), "t1": (StashOption("offload", 0, 3, 3, 5),)}})
+    p = dataclasses.replace(p, **{"stash_options": {"t0": (remat,), "t1": (StashOption("offload", 0, 3, 3, 5),)}})
     assert effective_stash(p, {}, {"t0": "rematerialize"}) == {"t0": "rematerialize"}
     assert memory_timeline(p, {}, {"t0": "rematerialize"}) == [0, 0, 0, 100 * KIB, 100 * KIB, 0]
     assert effective_stash(p, {"op0": True}, {"t0": "rematerialize"}) == {}           # its op recomputed
@@ -76,7 +77,7 @@ def test_a_codecs_temporaries_count_where_it_encodes_and_decodes(packing):
     minimum-peak plan compresses only while they stay below keeping t0 (200 KiB at position 3)."""
     p = two_layer(offload_cost=5, recompute_cost=100)
     compress = StashOption("compress:int8", 25 * KIB, 1, 4, 3, transient_bytes=10 * KIB, packing_bytes=packing)
-    p = Problem(**{**p.__dict__, "recomputable": frozenset(), "stash_options": {"t0": (compress,)}})
+    p = dataclasses.replace(p, **{"recomputable": frozenset(), "stash_options": {"t0": (compress,)}})
     assert memory_timeline(p, {}, {"t0": "compress:int8"}) == [0, 25 * KIB + packing, 25 * KIB, 125 * KIB,
                                                              135 * KIB, 0]
     lowest = cpsat.solve(p, minimize="peak", time_limit=5)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
+from autorecompute.decisions import Move, MoveKind, Op
 from autorecompute.memory_model import (NEW_REGION, REMAKE, effective_stash, extra_cost, held_at, memory_timeline,
                                          predicted_peak, rerun_ops)
 from autorecompute.problem import Problem
@@ -106,7 +107,7 @@ def span_plans(problem: Problem, max_cuts: int = 24, max_segments: int = 3) -> l
     """√N-style plans over part of the chain, as ``checkpoint_sequential`` does over a prefix: the ops
     between two articulation points (cuts every path goes through) in 1 to ``max_segments`` regions, the
     rest kept. Few regions: cheap in calls, and in memory where the span's activations dominate."""
-    from autorecompute.solvers.baselines import articulation_ops
+    from autorecompute.solvers.segment_plans import articulation_ops
 
     cuts = articulation_ops(problem)
     if len(cuts) > max_cuts:       # evenly spaced ones: the candidates stay O(max_cuts²)
@@ -141,17 +142,10 @@ def candidates(problem: Problem, max_segments: int = 64) -> list[Decisions]:
     return [(r, {}) for r in plans + span_plans(problem)] + [(r, s) for r, s in with_stash if s]
 
 
-_SCORED: dict[int, tuple[Problem, list]] = {}
-
-
 def scored_candidates(problem: Problem) -> list[tuple[Decisions, int, int]]:
     """``(plan, predicted peak, cost)`` of every candidate, computed once per problem."""
-    cached = _SCORED.get(id(problem))
-    if cached is None or cached[0] is not problem:
-        scored = [((r, s), predicted_peak(problem, r, s), extra_cost(problem, r, s)) for r, s in candidates(problem)]
-        _SCORED.clear()          # one problem at a time: do not keep old graphs alive
-        cached = _SCORED[id(problem)] = (problem, scored)
-    return cached[1]
+    return problem.derived("greedy.scored_candidates", lambda: [
+        ((r, s), predicted_peak(problem, r, s), extra_cost(problem, r, s)) for r, s in candidates(problem)])
 
 
 def lowest_peak(problem: Problem) -> Decisions:
@@ -161,15 +155,15 @@ def lowest_peak(problem: Problem) -> Decisions:
 
 def lowest_start(problem: Problem) -> Decisions:
     """The minimum-peak search's start: :func:`lowest_peak`, naive √N over articulation points
-    (:func:`baselines.sqrt_n_plan`, every number of checkpoints) or per-block checkpointing
-    (:func:`baselines.per_block_plan`), whichever is lowest in the model (ties: the segment plan). A checkpoint
+    (:func:`segment_plans.sqrt_n_plan`, every number of checkpoints) or per-block checkpointing
+    (:func:`segment_plans.per_block_plan`), whichever is lowest in the model (ties: the segment plan). A checkpoint
     at an articulation point is the one tensor everything after it depends on, where one placed by bytes alone
-    (:func:`segment_plan`) can leave a region's other inputs held: Llama trained on its loss reaches 3.41 MB
-    this way and 3.67 MB at the best byte-placed plan, so no budget naive √N meets is refused. Per-block
-    checkpointing is what Hugging Face's ``gradient_checkpointing_enable()`` does: on a 12-layer GPT-2 no √N or
-    segment start led the search below 8.36 MB where it measures 8.42 MB, and from it the search ends at
-    7.24 MB. Only the start: as candidates of every search they moved CP-SAT's later stages elsewhere."""
-    from autorecompute.solvers.baselines import articulation_ops, per_block_plan, sqrt_n_plan
+    (:func:`segment_plan`) can leave a region's other inputs held and end higher: with naive √N among the
+    starts, no budget it meets is refused. Per-block checkpointing is what Hugging Face's
+    ``gradient_checkpointing_enable()`` does: on a GPT-2 the search from it ends well below where it ends from
+    any √N or segment start. Only the start: as candidates of every search they move CP-SAT's later stages
+    elsewhere."""
+    from autorecompute.solvers.segment_plans import articulation_ops, per_block_plan, sqrt_n_plan
 
     cuts = articulation_ops(problem)
     articulated = [(sqrt_n_plan(problem, k, cuts), {}) for k in range(1, min(64, len(cuts)) + 1)]
@@ -187,18 +181,16 @@ def lower_peak(problem: Problem, start: Decisions, work: int = 8_000_000, near: 
     down one position at a time — until a pass over every decision changes nothing, or ``work``
     (evaluations × problem size: a count, not a clock, so the result is reproducible) is spent.
 
-    CP-SAT's minimum-peak search on a long chain can stop where a single change lowers the peak: GPT's
-    recompute-only minimum falls from 5.12 to 4.52 MiB this way (a 6-s CP-SAT solve from the same start: none).
+    CP-SAT's minimum-peak search on a long chain can stop where a single change lowers the peak, and more
+    CP-SAT time from the same start need not find it.
 
     Where no single change helps, an iterated local search spends up to an eighth of ``work`` (or stops
     after ``STALE_KICKS`` kicks in a row find nothing lower): a kick
     toggles ``KICK_OPS`` consecutive ops at a (seeded) random place, a descent over the decisions within
     ``KICK_WINDOW`` ops of it follows, and the result is kept when it is lower; a last descent over every
-    decision ends it. Llama's minimum-peak plan after a 6-s solve, 3.12 MiB, has no lower single change and
-    falls to 3.06 MiB in the model (3.00 MiB measured) after ten kicks — the plan a 30-s solve finds (in the
-    planner, from its own starts: 3.04 MiB measured, 0.812× √N's peak where it was 0.833×). With region cuts,
-    a cut moved by one op (``shift``) takes its minimum from 3 134 536 to 3 127 624 B, where no pair of
-    changes among its first layer's decisions lowers it.
+    decision ends it. From a short CP-SAT solve's plan, which no single change lowers, the kicks reach the plan
+    a solve several times as long finds. With region cuts, a cut moved by one op (``shift``) is a move of its
+    own: it can lower a minimum where no pair of changes among one layer's decisions does.
 
     Example: ``h`` is held through the bump at position 3, where nothing reads it; made again by its op
     when backward first needs it (position 4), it is not there, and the peak falls from 160 to 110 bytes.
@@ -247,39 +239,40 @@ KICK_WINDOW = 12    # ops on either side of a kick whose decisions the descent a
 STALE_KICKS = 48    # kicks in a row that find nothing lower end the search
 
 
-def _moves(problem: Problem, owner: dict[str, str], within: set[str] | None = None) -> list[tuple]:
-    """The single changes of ``lower_peak``, among ops in ``within`` (None: all): ``("op", op, None)``
-    toggles it, ``("region", op, None)`` recomputes it starting a region (or, when it does, in the region
-    before it), ``("shift", op, other)`` moves the cut before ``op`` to before its neighbour ``other``,
-    ``("remake", op, None)`` starts a region at it that makes its inputs from the region before again
-    (:data:`~autorecompute.memory_model.REMAKE`; or, when it does, one that holds them), ``("stash", name,
+def _moves(problem: Problem, owner: dict[str, str], within: set[str] | None = None) -> list[Move]:
+    """The single changes of ``lower_peak``, among ops in ``within`` (None: all): ``Move(TOGGLE, op)``
+    toggles it, ``Move(REGION, op)`` recomputes it starting a region (or, when it does, in the region
+    before it), ``Move(SHIFT, op, other)`` moves the cut before ``op`` to before its neighbour ``other``,
+    ``Move(REMAKE, op)`` starts a region at it that makes its inputs from the region before again
+    (:data:`~autorecompute.memory_model.REMAKE`; or, when it does, one that holds them), ``Move(STASH, name,
     action)`` sets a stash action of an activation those ops own (None: drops it)."""
-    moves = [("op", op, None) for op in sorted(problem.recomputable) if within is None or op in within]
+    moves = [Move(MoveKind.TOGGLE, op) for op in sorted(problem.recomputable) if within is None or op in within]
     # recompute in a region of its own (or rejoin the region before): where the op before can be recomputed
     pairs = [(before, op) for before, op in zip(problem.chain, problem.chain[1:])
              if op in problem.recomputable and before in problem.recomputable and (within is None or op in within)]
-    moves += [("region", op, None) for _, op in pairs]
+    moves += [Move(MoveKind.REGION, op) for _, op in pairs]
     # a cut moved by one op, both ways (a pair of changes neither of which lowers the peak alone: on Llama the
     # cut before the MLP's norm scale, moved after it, makes the scaled input the MLP region's one input)
-    moves += [("shift", before, op) for before, op in pairs] + [("shift", op, before) for before, op in pairs]
+    moves += [Move(MoveKind.SHIFT, before, op) for before, op in pairs]
+    moves += [Move(MoveKind.SHIFT, op, before) for before, op in pairs]
     # a region that makes its inputs from the region before again (on Llama the first layer's attention,
     # cut at the query projection: its norm and embedding are not held through softmax's backward)
-    moves += [("remake", op, None) for _, op in pairs]
-    moves += [("stash", name, action) for name, options in sorted(problem.stash_options.items())
+    moves += [Move(MoveKind.REMAKE, op) for _, op in pairs]
+    moves += [Move(MoveKind.STASH, name, action) for name, options in sorted(problem.stash_options.items())
               if within is None or owner.get(name) in within
               for action in (*(o.action for o in options), None)]
     return moves
 
 
-def _group_moves(problem: Problem) -> list[tuple]:
-    """``("group", ops, decision)``: each op of a group of ``Problem.repeats`` — one op of every repeated
-    block — decided alike, at once. Where every layer reaches the peak, no change to one layer lowers it:
-    GPT at 17 samples holds each layer's attention and MLP in one region (14.77 MB); both split in all six
-    layers at once, 13.57 MB (in three of them, 15.56 MB)."""
-    return [("group", ops, decision) for ops in problem.repeats for decision in (True, NEW_REGION, REMAKE, False)]
+def _group_moves(problem: Problem) -> list[Move]:
+    """``Move(GROUP, ops, decision)``: each op of a group of ``Problem.repeats`` — one op of every repeated
+    block — decided alike, at once. Where every layer reaches the peak, no change to one layer lowers it: a
+    GPT's attention and MLP split into regions of their own lower its peak only in every layer at once (in
+    some of the layers, they raise it)."""
+    return [Move(MoveKind.GROUP, ops, decision) for ops in problem.repeats for decision in (True, NEW_REGION, REMAKE, False)]
 
 
-def _descend(problem: Problem, recompute: dict[str, bool], stash: dict[str, str], moves: list[tuple],
+def _descend(problem: Problem, recompute: dict[str, bool], stash: dict[str, str], moves: list[Move],
              tries: int, near: int) -> tuple[tuple[int, int], int]:
     """Applies each of ``moves`` that lowers the score (peak, positions within ``near`` of it), in passes,
     until a pass changes nothing or ``tries`` evaluations are spent. Changes ``recompute`` and ``stash`` in
@@ -351,11 +344,10 @@ def lower_cost(problem: Problem, budget: int, start: Decisions, work: int = 2_00
     or dropped) that makes it fit again at a lower cost — in passes until a pass changes nothing or ``work``
     (evaluations × problem size: a count, not a clock) is spent.
 
-    CP-SAT's cost solve on a long chain stops where such a pair lowers the cost: Llama's least-FLOPs plan
-    at √N's peak after a 6-s solve, 37.7 MFLOP run again, falls to 33.6 MFLOP with 3 M of work (3.5 s; a
-    60-s solve from it: 33.6) and to 31.5 with 9 M — a middle layer's query projection kept, the first
-    layer's MLP norm scale recomputed to make room for it, and so on. After each change the search starts
-    again from the dearest op: a cheap op kept first can take the room a dear one needs.
+    CP-SAT's cost solve on a long chain can stop where such a pair lowers the cost (a middle layer's query
+    projection kept, the first layer's MLP norm scale recomputed to make room for it), and more CP-SAT time
+    from there need not find it. After each change the search starts again from the dearest op: a cheap op
+    kept first can take the room a dear one needs.
 
     Example: four ops, each 100-B output saved by the next. Under 200 B, recomputing op1 and op2 fits at a
     cost of 6; keeping op2 alone goes over, and fits with op0 recomputed instead: a cost of 3.
@@ -398,39 +390,55 @@ def lower_cost(problem: Problem, budget: int, start: Decisions, work: int = 2_00
                     break
                 recompute[op] = was
                 continue
-            # first the owners of what is held at the highest position over the budget (often far back in the
-            # chain: an output held through it), then the ops near each backward op where the plan goes over
-            held = held_at(problem, recompute, max(over, key=timeline.__getitem__), stash)
-            near = set()
-            for position in over:
-                at = index.get(problem.backward_op.get(position, ""), -1)
-                if at >= 0:
-                    near.update(problem.chain[max(0, at - window):at + window + 1])
-            for kind, name, value in _moves(problem, owner, held) + _moves(problem, owner, near - held):
-                if tries <= 0:
-                    break
-                undo = _apply(recompute, stash, kind, name, value)
-                if undo is None:
-                    continue
-                tries -= 1
-                if predicted_peak(problem, recompute, stash) <= budget \
-                        and (now := extra_cost(problem, recompute, stash)) < cost:
-                    cost, changed = now, True
-                    break
-                undo()
+            moves = _moves_making_room(problem, recompute, stash, timeline, over, owner, index, window)
+            now, tries = _first_cheaper_fit(problem, budget, recompute, stash, moves, cost, tries)
+            if now is not None:
+                cost, changed = now, True
             if not changed:
                 recompute[op] = was
             else:
-                # from the dearest op again: a cheap op kept first can take the room a dear one needed (on
-                # Llama, continuing the pass ends at 33.6 MFLOP, starting over at 31.5)
+                # from the dearest op again: a cheap op kept first can take the room a dear one needs
+                # (continuing the pass ends at a dearer plan)
                 break
     return recompute, effective_stash(problem, recompute, stash)
 
 
-def _apply(recompute: dict, stash: dict, kind: str, name: str, value) -> Callable[[], None] | None:
+def _moves_making_room(problem: Problem, recompute: dict, stash: dict, timeline: list[int], over: list[int],
+                       owner: dict[str, str], index: dict[str, int], window: int) -> list[Move]:
+    """The changes that may bring a plan over the budget back under it: first those of the owners of what is
+    held at the highest position over it (often far back in the chain: an output held through it), then
+    those of the ops near each backward op where the plan goes over."""
+    held = held_at(problem, recompute, max(over, key=timeline.__getitem__), stash)
+    near = set()
+    for position in over:
+        at = index.get(problem.backward_op.get(position, ""), -1)
+        if at >= 0:
+            near.update(problem.chain[max(0, at - window):at + window + 1])
+    return _moves(problem, owner, held) + _moves(problem, owner, near - held)
+
+
+def _first_cheaper_fit(problem: Problem, budget: int, recompute: dict, stash: dict, moves: list[Move], cost: int,
+                       tries: int) -> tuple[int | None, int]:
+    """Makes the first of ``moves`` after which the plan fits ``budget`` at less than ``cost`` (in place):
+    (its cost, or None when none does, and the tries left)."""
+    for kind, name, value in moves:
+        if tries <= 0:
+            break
+        undo = _apply(recompute, stash, kind, name, value)
+        if undo is None:
+            continue
+        tries -= 1
+        if predicted_peak(problem, recompute, stash) <= budget \
+                and (now := extra_cost(problem, recompute, stash)) < cost:
+            return now, tries
+        undo()
+    return None, tries
+
+
+def _apply(recompute: dict, stash: dict, kind: MoveKind, name, value) -> Callable[[], None] | None:
     """Makes the change ``(kind, name, value)`` of :func:`_moves` in place and returns what undoes it; None
     where it does not apply (a shift of a cut that is not there, a stash action already set)."""
-    if kind == "group":      # every op of ``name`` decided ``value``
+    if kind is MoveKind.GROUP:      # every op of ``name`` decided ``value``
         previous = {op: recompute.get(op) for op in name}
         if all(recompute.get(op, False) == value for op in name):
             return None
@@ -440,21 +448,21 @@ def _apply(recompute: dict, stash: dict, kind: str, name: str, value) -> Callabl
             for op, decision in previous.items():
                 _set(recompute, op, decision)
         return restore
-    if kind == "shift":      # the cut before ``name`` moved to before ``value``
+    if kind is MoveKind.SHIFT:      # the cut before ``name`` moved to before ``value``
         cut = recompute.get(name)
-        if cut not in (NEW_REGION, REMAKE) or recompute.get(value) is not True:
+        if cut not in (NEW_REGION, REMAKE) or recompute.get(value) != Op.RECOMPUTE:
             return None
         recompute[name], recompute[value] = True, cut
 
         def undo() -> None:
             recompute[name], recompute[value] = cut, True
         return undo
-    table = stash if kind == "stash" else recompute
-    if kind == "op":
+    table = stash if kind is MoveKind.STASH else recompute
+    if kind is MoveKind.TOGGLE:
         value = not recompute.get(name, False)
-    elif kind == "region":
+    elif kind is MoveKind.REGION:
         value = True if recompute.get(name) == NEW_REGION else NEW_REGION
-    elif kind == "remake":
+    elif kind is MoveKind.REMAKE:
         value = NEW_REGION if recompute.get(name) == REMAKE else REMAKE
     elif stash.get(name) == value:
         return None
