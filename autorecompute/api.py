@@ -141,8 +141,8 @@ def model_state(model: torch.nn.Module) -> int:
     swapped, ``dropout.p`` set, a first micro-batch's gradients) makes the next step use (or make) the plan
     of that state instead of running a graph that no longer matches.
 
-    Checked on every training call, so it is one loop over the modules' own dicts (a 55-module GPT: 0.11 ms,
-    half of it the plain attributes; ``named_modules()``/``named_parameters()`` walks took 0.45 ms).
+    Checked on every training call, so it is one loop over the modules' own dicts: ``named_modules()`` /
+    ``named_parameters()`` walks cost several times as much.
 
     Example:
         >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout())
@@ -269,8 +269,8 @@ class CompiledModule(torch.nn.Module):
         memo[id(self)] = copied
         for name, value in self.__getstate__(keep_plans=True).items():
             copied.__dict__[name] = copy.deepcopy(value, memo)
-        # each plan under the key of its state on the copy: the same values, the copies' object ids (the
-        # copy's first step found none of the keys, planned again and kept two plans per signature)
+        # each plan under the key of its state on the copy: the same values, the copies' object ids (under
+        # the original's ids the copy's steps would find none of the keys and keep two plans per signature)
         plans, states = {}, {}
         for key, planned in copied._plans.items():
             values, ids = self._states[key]
@@ -289,7 +289,7 @@ class CompiledModule(torch.nn.Module):
         return copied
 
     def __setstate__(self, state: dict) -> None:
-        # a module pickled before the cache kept each plan's state has none: an empty cache of states
+        # a module pickled without a cache of plan states (or a warning mark) starts with none
         super().__setstate__({"_states": {}, "_warned_at": None, **state})
 
     def __getstate__(self, keep_plans: bool = False) -> dict:
@@ -608,8 +608,8 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
             found by then is used. A cost solve CP-SAT does not prove optimal is improved after it by
             windows of it, up to three times the limit (CP-SAT over windows of the chain where it found
             nothing, then windows across repeated layers), each window ending early once solved.
-            Capturing, profiling and checking candidate plans on fake tensors take time in proportion to the
-            model's ops besides (a 24-layer GPT-2, ~900 ops: ~12 s on 2 CPU cores whatever the limit).
+            Capturing, profiling and checking candidate plans on fake tensors take time besides, in
+            proportion to the model's ops and whatever the limit.
         seed: CP-SAT's seed: same model, inputs and seed give the same plan.
         objective: what "least extra" means: ``"time"`` (the default) prices recomputation with the
             device's speeds — FLOPs, bytes of memory-bound ops, random numbers, one call per op and per
@@ -667,8 +667,9 @@ def _without_cache(model: torch.nn.Module, kwargs: dict, tell: bool = True) -> d
 
 
 def _check_model_keywords(model: torch.nn.Module, kwargs: dict, planner_call) -> None:
-    """The keywords :func:`plan` hands to ``model.forward``: a misspelled option of ``planner_call`` there
-    failed as a capture error about tracing, or went silently to a forward taking ``**kwargs``."""
+    """The keywords :func:`plan` hands to ``model.forward``, checked so that a misspelled option of
+    ``planner_call`` is named as such, not left to fail as a capture error about tracing or to go silently to
+    a forward taking ``**kwargs``."""
     try:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -710,9 +711,9 @@ class _PendingBackward:
 def _watch_retained_graph(compiled: CompiledModule, outputs) -> None:
     """Warns, once, when a backward from ``outputs`` keeps the graph (``retain_graph=True``): autograd then
     keeps every saved tensor until the graph is freed, where the plan counts each freed after its op's
-    backward (GPT at 0.6 of its peak: 11.2 MiB through the first backward against an 8.2-MiB budget). Eager
-    keeps everything anyway, so this is no worse than eager's peak. Checked on each plan's first step, as
-    :meth:`CompiledModule._watch_backward` is (the hook is a graph break under compiled autograd)."""
+    backward, so the step can go well over the budget. Eager keeps everything anyway, so this is no worse
+    than eager's peak. Checked on each plan's first step, as :meth:`CompiledModule._watch_backward` is (the
+    hook is a graph break under compiled autograd)."""
     keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     if keeps_graph is None:
         return

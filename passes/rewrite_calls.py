@@ -1,9 +1,9 @@
 """Rewrite: GraphModule → the same GraphModule calling each aten op through eager PyTorch's Python binding.
 
 A captured graph calls ``torch.ops.aten.transpose.int(x, 1, 2)``: an ``OpOverload``, whose generic,
-schema-driven argument conversion costs about a microsecond more per call than the binding eager code calls,
-``torch.transpose`` (2.8 against 1.4 µs here). On a model of many small ops that is several percent of the
-step: the GPT benchmark's forward ran 1.05× eager's with overloads, 1.00× with bindings.
+schema-driven argument conversion makes each call slower than through the binding eager code calls,
+``torch.transpose``. On a model of many small ops that is several percent of the step; through the binding,
+a call costs what it costs in eager code.
 
 A binding picks its overload from the Python types of its arguments, so one is used only where it provably
 calls the same one: traced once before any decomposition (``make_fx(pre_dispatch=True)``) on meta tensors

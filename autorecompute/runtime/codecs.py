@@ -154,13 +154,13 @@ def _scaled_encode(x: torch.Tensor, channel: int | None, limit: float, dtype: to
         return torch.empty(x.shape, dtype=dtype, device=x.device), torch.ones(scales, device=x.device)
     rows = _rows(x, channel)
     scale = _finite_amax(rows) / limit
-    # a channel of zeros keeps scale 1 (a floor such as 1e-30 broke the error bound of tiny values)
+    # a channel of zeros keeps scale 1 (a floor such as 1e-30 would break the error bound of tiny values)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     out = torch.empty(rows.shape, dtype=dtype, device=x.device)
     for part in _chunks(rows):
         scaled = rows[part].float() / scale
-        # an inf or NaN comes back as NaN, not as a finite value (saturated, it hid a divergence from NaN
-        # checks and GradScaler): int8 marks it with -128, outside the ±127 of finite values; e4m3fn has NaN
+        # an inf or NaN comes back as NaN, not as a finite value (saturated, it would hide a divergence from
+        # NaN checks and GradScaler): int8 marks it with -128, outside the ±127 of finite values; e4m3fn has NaN
         scaled.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan)
         if rounding:     # (clamped first: a subnormal scale can put a finite value past ±127.5)
             scaled.round_().clamp_(-limit, limit).nan_to_num_(nan=-limit - 1)

@@ -151,12 +151,11 @@ def device_bytes_outside(values: Iterable[Any]) -> int:
     their workspaces are allocated at the first matrix product and stay. Each device also gets
     :data:`ALLOCATOR_SLACK`: the caching allocator serves a request from a cached block up to 1 MiB larger
     without splitting it and counts the whole block, so a step's allocated bytes run a little above the
-    sum of its tensors (measured on an H200: up to 1.05 MB over plans of 100–250 MB, docs/benchmarks.md).
+    sum of its tensors (docs/benchmarks.md measures by how much).
 
     The bytes outside are rounded up to whole MiB (:data:`OUTSIDE_GRANULE`): planning itself can leave a
-    block or two of 512 B allocated per call (HF Llama on an H200, torch 2.11: 512 B a plan, not garbage;
-    cause not found), so unrounded, the minimum one plan reports would be refused by the next plan asked
-    for exactly that budget.
+    block or two of 512 B allocated per call (not garbage a collection frees; the cause is unknown), so
+    unrounded, the minimum one plan reports would be refused by the next plan asked for exactly that budget.
     """
     flat, _ = tree_flatten(list(values))
     own: dict[torch.device, dict[int, int]] = {}

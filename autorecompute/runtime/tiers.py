@@ -76,11 +76,11 @@ class DiskTier:
     again. The space stays taken until the last module using the tier is gone.
 
     CPU tensors are written and read on the calling thread: the cores that would run a background copy are the
-    ones computing, and handing each copy to a thread and waiting for it cost ~70 µs on the 2-core CI machine,
-    where writing 64 KiB at an offset takes ~12 µs (a file per tensor took ~250 µs to create). Tensors of
-    other devices, copied to the host first, are written and read by one background thread while the device
-    keeps computing. A forked child opens a file of its own (a copy of what was stored at the fork): the two
-    processes would otherwise lay their tensors out over each other in one file.
+    ones computing, and handing a copy to a thread and waiting for it costs several times what writing a small
+    tensor at an offset takes (creating a file per tensor, more still). Tensors of other devices, copied to the
+    host first, are written and read by one background thread while the device keeps computing. A forked child
+    opens a file of its own (a copy of what was stored at the fork): the two processes would otherwise lay their
+    tensors out over each other in one file.
     """
 
     def __init__(self, directory: str | None = None):

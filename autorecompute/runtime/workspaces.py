@@ -147,15 +147,15 @@ def _probe(func, spec, described) -> int:
 
 
 # Ops whose fake (meta) kernel makes an output smaller than the real kernel does: the RNN kernels' reserve
-# ("workspace") saved for backward is empty on fake tensors — PyTorch cannot ask oneDNN or cuDNN its size
-# without running it (an LSTM of 128 units over 32 steps of 8: 1.9 MiB on the CPU, 0 fake).
+# ("workspace") saved for backward, which grows with the units, steps and batch, is empty on fake tensors:
+# PyTorch cannot ask oneDNN or cuDNN its size without running it.
 # (Only forward kernels: a backward probed on made-up inputs would get the fake, empty reserve, and oneDNN's
 # crashes on it.)
 SIZED_BY_RUNNING = frozenset({torch.ops.aten.mkldnn_rnn_layer.default, torch.ops.aten._cudnn_rnn.default,
                               torch.ops.aten.miopen_rnn.default})
-# CPU kernels that return a tensor in a larger storage than its own (found by comparing each op's real and
-# fake outputs on the CPU): a reduced pointwise loss keeps its unreduced buffer (1 MiB under a 0-d mean of
-# 2048 × 128), ``F.fold``'s col2im a buffer k² its output, an embedding bag's offset2bag one more index.
+# CPU kernels that return a tensor in a larger storage than its own (those whose real and fake outputs on the
+# CPU differ): a reduced pointwise loss keeps its unreduced buffer (its input's size under a 0-d mean),
+# ``F.fold``'s col2im a buffer k² its output, an embedding bag's offset2bag one more index.
 # (CPU only: not measured on a GPU, where a probe's made-up inputs would also take device memory.)
 SIZED_BY_RUNNING_ON_CPU = frozenset({
     torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default,
