@@ -4,12 +4,10 @@ runtime — an offload plan of a chain of small tensors against the same chain k
 (its hooks, stash nodes, bookkeeping and system calls: what a copy costs besides its bytes).
 
 Recomputation is not timed here. Its figures (kernels' speeds, a call, a region) are the defaults, fitted on
-whole steps of the CI CPU, and timing them any other way priced worse there: on a 12-layer BERT (recompute
-plan measured +33 to +43 ms over eager) the defaults say +37 ms; kernels and calls timed one by one said +21
-(a call inside a checkpoint pays for its hooks, a region for its inputs and outputs); scaling the defaults
-by the matmul's speed (1.9× on two threads) would say about +21; two factors (kernels, calls) fitted on recompute plans of two probe models
-moved from run to run (×0.69–0.98, ×0.66–2.2), and the plan made with one such fit ran +38 ms where the
-defaults' plan ran +25. A fit that holds from model to model needs evidence from more machines than one.
+whole steps of the CI CPU: kernels and calls timed one by one miss what a call inside a checkpoint pays for
+its hooks and a region for its inputs and outputs, scaling the defaults by a matmul's speed misses them too,
+and factors fitted on recompute plans of probe models move from run to run. A fit that holds from model to
+model needs evidence from more machines than one.
 
 Each difference is timed on both sides in turn, round after round, and the medians taken (a slow moment hits
 both alike).
@@ -21,6 +19,8 @@ import time
 from typing import Callable
 
 import torch
+
+from autorecompute.runtime.tiers import DiskTier
 
 # the transfer probe: a chain of small tensors (bytes cost next to nothing, the hooks and nodes all)
 TRANSFER_PROBE_LAYERS = 12
@@ -50,8 +50,6 @@ def _training_step(module, x) -> Callable[[], object]:
 def disk_bytes_per_second(directory: str | None, nbytes: int) -> tuple[float, float]:
     """Write and read speed of the disk tier in ``directory`` for one ``nbytes`` tensor, in the step's
     steady state (the second round, when the file's pages exist)."""
-    from autorecompute.runtime.tiers import DiskTier
-
     data = torch.randn(nbytes // 4)
     target = torch.empty_like(data)
     tier = DiskTier(directory)
@@ -76,7 +74,9 @@ def transfer_seconds(directory: str | None, write_bytes_per_second: float,
     offload-only minimum, against the same chain planned to keep everything; the bytes' time taken out.
 
     Returns None when the plan offloaded nothing (nothing to time)."""
-    import autorecompute
+    # the planner, imported when a probe runs: importing autorecompute.transfer, which imports this module,
+    # does not load it
+    from autorecompute import api
 
     width = TRANSFER_PROBE_SHAPE[1]
     with torch.random.fork_rng():
@@ -85,8 +85,8 @@ def transfer_seconds(directory: str | None, write_bytes_per_second: float,
                                       for _ in range(TRANSFER_PROBE_LAYERS)])
         x = torch.randn(TRANSFER_PROBE_SHAPE)
     options = dict(actions=("offload",), offload_dir=directory, solver_time_limit=1.0)
-    offloading = autorecompute.compile(model, budget=autorecompute.minimum_peak(model, x, **options), **options)
-    keeping = autorecompute.compile(model, budget=1.0, **options)
+    offloading = api.compile(model, budget=api.minimum_peak(model, x, **options), **options)
+    keeping = api.compile(model, budget=1.0, **options)
     medians = _paired_medians({"offloading": _training_step(offloading, x),
                                "keeping": _training_step(keeping, x)}, repeats=60)
     records = [r for r in offloading.plan.stash.values() if r.action.startswith("offload")]

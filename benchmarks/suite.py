@@ -40,7 +40,7 @@ from autorecompute.passes.rewrite_recompute import rewrite_recompute  # noqa: E4
 from autorecompute.passes.verify import fake_step_memory  # noqa: E402
 from autorecompute.planner import _decisions, clone_graph_module  # noqa: E402
 from autorecompute.runtime.memory import run_step  # noqa: E402
-from autorecompute.solvers.baselines import sqrt_n_plan  # noqa: E402
+from autorecompute.solvers.segment_plans import sqrt_n_plan  # noqa: E402
 from compile_budget import NO_DROPOUT, make_case  # noqa: E402
 from harness import measured_step  # noqa: E402
 from report import LONGER_FACTOR, LONGER_SOLVE, compile_gradients_exact  # noqa: E402

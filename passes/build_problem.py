@@ -7,16 +7,20 @@ outputs, or have no tensor output are never recomputed; in-place buffer updates 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
 
-from autorecompute.passes.capture import is_mutating, read_before_written, subgraphs_mutate, written_in_place
-from autorecompute.passes.profile import META_KEY, NodeInfo, TensorInfo, module_path, node_info, step_profile
+from autorecompute.memory_model import memory_timeline
+from autorecompute.passes.graph_facts import is_mutating, read_before_written, subgraphs_mutate, written_in_place
+from autorecompute.passes.meta import node_info, node_info_if_profiled, step_profile
+from autorecompute.passes.profile import module_path
+from autorecompute.passes.profile_records import NodeInfo, StepProfile, TensorInfo
+from autorecompute.passes.throughputs import CPU_DISK, TransferModel
 from autorecompute.problem import GRADIENT, Activation, Problem, StashOption
 from autorecompute.runtime.codecs import codec
 from autorecompute.runtime.regions import BATCH_NORM
-from autorecompute.transfer import CPU_DISK, TransferModel
 
 LOSSY_COST = {"bfloat16": 1, "float16": 1, "float8": 2, "int8": 2}   # per byte compressed: prefer exact dtypes
 MAX_PREFETCH_LEAD = 8   # backward positions a prefetch may start before the first use
@@ -66,8 +70,7 @@ def updates_state(node: torch.fx.Node) -> bool:
         return bound["running_mean"] is not None and bool(bound[arguments[5].name])
     if isinstance(node.target, torch._ops.HigherOrderOperator):
         return subgraphs_mutate(node)
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return is_mutating(node)
 
 
 def recompute_cost(node: torch.fx.Node, written: int, device: TransferModel) -> int:
@@ -76,9 +79,8 @@ def recompute_cost(node: torch.fx.Node, written: int, device: TransferModel) -> 
     call."""
     seconds = device.op_seconds + written / device.memory_bytes_per_second
     if is_random(node) and written:     # (dropout with p=0, or in eval mode, returns its input: no numbers drawn)
-        # one number per element of the result, not per byte written: dropout also writes its mask, and
-        # pricing that as random too doubled its cost (measured: dropout over 256 KiB ~0.8 ms, its mask and
-        # output 512 KiB)
+        # one number per element of the result, not per byte written: dropout also writes its mask, which
+        # draws no numbers of its own
         seconds += _result_bytes(node) / device.random_bytes_per_second
     return 1 + node_info(node).flops + device.seconds_to_cost(seconds)
 
@@ -89,6 +91,46 @@ def _result_bytes(node: torch.fx.Node) -> int:
     if isinstance(value, (tuple, list)):
         value = next((v for v in value if isinstance(v, torch.Tensor)), None)
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What :func:`build_problem` reads of a profiled graph once and its steps share: the ops of the chain, which
+    may run again, and what running each again costs."""
+
+    profile: StepProfile
+    nodes: dict[str, torch.fx.Node]
+    chain: tuple[str, ...]             # ops in forward order, less the transparent ones
+    recomputable: frozenset[str]
+    cost: dict[str, int]               # op → running it again, in FLOP-equivalents
+    device: TransferModel              # the speeds ``cost`` is priced at
+
+    @property
+    def num_forward(self) -> int:
+        return len(self.profile.order)
+
+    @property
+    def num_positions(self) -> int:
+        return self.num_forward + len(self.profile.backward_events)
+
+    @property
+    def last(self) -> int:
+        return self.num_positions - 1
+
+    def backward_position(self, op: str) -> int | None:
+        """The position of ``op``'s backward, None when it has none."""
+        event = node_info(self.nodes[op]).backward_event
+        return None if event is None else self.num_forward + event
+
+    def position(self, op: str) -> int:
+        """The position of ``op``'s backward, the last when it has none (what it saves is kept to the end)."""
+        p = self.backward_position(op)
+        return self.last if p is None else p
+
+    def backward_ops(self) -> dict[int, str]:
+        """Backward position → the chain op whose backward runs there."""
+        in_chain = set(self.chain)
+        return {self.num_forward + i: op for i, op in enumerate(self.profile.backward_events) if op in in_chain}
 
 
 def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: TransferModel | None = None,
@@ -103,7 +145,36 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
         device: the speeds recompute costs are computed with (None: ``offload``'s, else the CPU's).
         offload_gradients: whether parameter gradients may be offloaded too (with ``offload``).
     """
-    device = device or offload or CPU_DISK
+    facts = step_facts(gm, recompute, device or offload or CPU_DISK)
+    activations = _activations(facts)
+    options: dict[str, tuple[StashOption, ...]] = {}
+    if recompute:
+        options.update(_rematerialize_options(facts, activations))
+    if offload is not None or compress_dtypes:
+        for name, found in _stash_options(facts, activations, offload, compress_dtypes).items():
+            options[name] = options.get(name, ()) + found
+    if offload is not None and offload_gradients:
+        for act, option in gradient_offloads(gm, facts.backward_position, facts.last, offload):
+            activations.append(act)
+            options[act.name] = (option,)
+    nodes, chain = facts.nodes, facts.chain
+    problem = Problem(
+        chain=chain, recomputable=facts.recomputable, cost=facts.cost,
+        flops={op: node_info(nodes[op]).flops for op in chain}, activations=tuple(activations),
+        fixed=tuple([0] * facts.num_positions), num_forward=facts.num_forward, backward_op=facts.backward_ops(),
+        bytes_at_rest=dict(facts.profile.resident),
+        region_cost=facts.device.seconds_to_cost(facts.device.region_seconds), stash_options=options,
+        saves=_saves(facts),
+        # random ops (ops that update state are not recomputable at all)
+        unremakeable=frozenset(op for op in chain if is_random(nodes[op])),
+        repeats=repeated_ops([nodes[op] for op in chain], facts.recomputable),
+        blocks=repeated_blocks([nodes[op] for op in chain]))
+    return calibrate(problem, _measured(facts.profile))
+
+
+def step_facts(gm: torch.fx.GraphModule, recompute: bool, device: TransferModel) -> StepFacts:
+    """The chain of a profiled ``gm``, which of its ops may run again (none unless ``recompute``), and their costs
+    at ``device``'s speeds."""
     profile = step_profile(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
     outputs = {name for name, t in profile.tensors.items() if t.is_output}
@@ -112,81 +183,83 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
     written |= read_before_written(gm.graph)    # re-run, they would read what the writes made
     recomputable = frozenset(op for op in chain if recompute and op not in written
                              and is_recomputable(nodes[op], outputs))
-    num_forward = len(profile.order)
-    num_positions = num_forward + len(profile.backward_events)
-    last = num_positions - 1
+    cost = {op: recompute_cost(nodes[op], _written_bytes(profile, nodes[op]), device) for op in chain}
+    return StepFacts(profile, nodes, chain, recomputable, cost, device)
 
-    def backward_position(op: str) -> int | None:
-        event = node_info(nodes[op]).backward_event
-        return None if event is None else num_forward + event
 
+def _activations(facts: StepFacts) -> list[Activation]:
+    """The tensors forward makes that a decision can drop (not graph outputs, not empty), with the positions
+    they are needed until: their savers' backwards and their recomputable readers'."""
+    in_chain = set(facts.chain)
     activations = []
-    in_chain = set(chain)
-    for t in profile.tensors.values():
+    for t in facts.profile.tensors.values():
         if t.is_output or t.nbytes == 0:
             continue
-        saver_ends = tuple(last if p is None else p for p in (backward_position(s) for s in t.savers))
+        saver_ends = tuple(facts.position(s) for s in t.savers)
         save_end = max(saver_ends, default=-1)
-        readers = tuple(c for c in t.readers if c in recomputable and c != t.owner)
-        reader_positions = [backward_position(c) for c in readers]
+        readers = tuple(c for c in t.readers if c in facts.recomputable and c != t.owner)
         activations.append(Activation(
             name=t.name, owner=t.owner if t.owner in in_chain else f"<{t.owner}>", nbytes=t.nbytes,
             hold_start=t.last_forward_use + 1, savers=tuple(t.savers), readers=readers,
-            save_end=save_end, read_end=max([save_end, *[last if p is None else p for p in reader_positions]]),
+            save_end=save_end, read_end=max([save_end, *[facts.position(c) for c in readers]]),
             saver_ends=saver_ends))
+    return activations
 
-    measured = [profile.resident_bytes + p for p in profile.forward_peaks]
-    measured += [profile.resident_bytes + p for p in profile.backward_peaks]
-    cost = {op: recompute_cost(nodes[op], _written_bytes(profile, nodes[op]), device) for op in chain}
-    backward_op = {num_forward + i: op for i, op in enumerate(profile.backward_events) if op in in_chain}
+
+def _rematerialize_options(facts: StepFacts, activations: list[Activation]) -> dict[str, tuple[StashOption, ...]]:
+    """Each activation's rematerializations, of every kind that makes it."""
+    by_name = {act.name: act for act in activations}
     options = {}
-    if recompute:
-        by_name = {act.name: act for act in activations}
-        for act in activations:
-            found = tuple(option for kind in ("plain", "chain", "through")
-                          if (option := rematerialize_option(nodes.get(act.name), act, profile, by_name, recomputable,
-                                                             backward_position, cost, num_forward, last, device,
-                                                             kind)) is not None)
+    for act in activations:
+        found = tuple(option for kind in REMATERIALIZE_KINDS
+                      if (option := rematerialize_option(facts.nodes.get(act.name), act, facts, by_name, kind))
+                      is not None)
+        if found:
+            options[act.name] = found
+    return options
+
+
+def _stash_options(facts: StepFacts, activations: list[Activation], offload: TransferModel | None,
+                   compress_dtypes: tuple[str, ...]) -> dict[str, tuple[StashOption, ...]]:
+    """Each stashable activation's offloads and compressions (:func:`stash_options`)."""
+    cost, backward_op = facts.cost, facts.backward_ops()
+    work = [cost.get(op, 0) for op in facts.profile.order]
+    work += [2 * cost.get(backward_op.get(p, ""), 0) for p in range(facts.num_forward, facts.num_positions)]
+    in_chain = set(facts.chain)
+    options = {}
+    for act in activations:
+        # graph values, and tensors an op saves without returning them (stashed around that op)
+        stashable = (act.savers and act.save_end >= act.hold_start and act.owner in in_chain
+                     and (act.name in facts.nodes or act.savers == (act.owner,)))
+        if stashable:
+            found = stash_options(facts.profile.tensors[act.name], act, work, facts.num_forward,
+                                  [node_info(facts.nodes[s]).position for s in act.savers if s in facts.nodes],
+                                  [facts.backward_position(s) for s in act.savers], facts.last, offload,
+                                  compress_dtypes, facts.device)
             if found:
                 options[act.name] = found
-    if offload is not None or compress_dtypes:
-        work = [cost.get(op, 0) for op in profile.order]
-        work += [2 * cost.get(backward_op.get(p, ""), 0) for p in range(num_forward, num_positions)]
-        for act in activations:
-            # graph values, and tensors an op saves without returning them (stashed around that op)
-            stashable = (act.savers and act.save_end >= act.hold_start and act.owner in in_chain
-                         and (act.name in nodes or act.savers == (act.owner,)))
-            if stashable:
-                found = stash_options(profile.tensors[act.name], act, work, num_forward,
-                                      [node_info(nodes[s]).position for s in act.savers if s in nodes],
-                                      [backward_position(s) for s in act.savers], last, offload, compress_dtypes,
-                                      device)
-                if found:
-                    options[act.name] = options.get(act.name, ()) + found
-    if offload is not None and offload_gradients:
-        for act, option in gradient_offloads(gm, backward_position, last, offload):
-            activations.append(act)
-            options[act.name] = (option,)
+    return options
+
+
+def _saves(facts: StepFacts) -> dict[str, bool]:
+    """For each chain op that saves a tensor: whether checkpoint's early stop runs it again when it ends a
+    region (True: it keeps a tensor it makes once it has run; False: it saves before it does its work — only
+    tensors made before it, or, for an op with FLOPs, its last save comes before any of them: a 4-D matmul's
+    copy before its bmm)."""
     saves = {}
-    for op in chain:
-        info = node_info(nodes[op])
+    for op in facts.chain:
+        info = node_info(facts.nodes[op])
         if info.saves or info.saves_static_bytes:
-            # True: checkpoint's early stop runs it again when it ends a region — it keeps a tensor it makes
-            # once it has run; False: it saves before it does its work (only tensors made before it, or, for
-            # an op with FLOPs, its last save comes before any of them: a 4-D matmul's copy before its bmm)
             if info.flops:
                 saves[op] = info.flops_before_last_save > 0
             else:
                 saves[op] = bool(set(info.saves) & set(info.creates))
-    problem = Problem(
-        chain=chain, recomputable=recomputable, cost=cost, flops={op: node_info(nodes[op]).flops for op in chain},
-        activations=tuple(activations), fixed=tuple([0] * num_positions), num_forward=num_forward,
-        backward_op=backward_op, bytes_at_rest=dict(profile.resident), region_cost=device.seconds_to_cost(device.region_seconds),
-        stash_options=options, saves=saves,
-        unremakeable=frozenset(op for op in chain if is_random(nodes[op])),   # (unreplayable ops: not recomputable)
-        repeats=repeated_ops([nodes[op] for op in chain], recomputable),
-        blocks=repeated_blocks([nodes[op] for op in chain]))
-    return calibrate(problem, measured)
+    return saves
+
+
+def _measured(profile: StepProfile) -> list[int]:
+    """The measured bytes at every position: each forward op's peak, then each backward event's."""
+    return [profile.resident_bytes + p for p in [*profile.forward_peaks, *profile.backward_peaks]]
 
 
 def repeated_ops(nodes: list[torch.fx.Node], among: frozenset[str] | None = None) -> tuple[tuple[str, ...], ...]:
@@ -341,7 +414,7 @@ def gradient_offloads(gm: torch.fx.GraphModule, backward_position, last: int,
         users = list(node.users)
         if not param.requires_grad or len(users) != 1 or users[0].op != "call_function":
             continue
-        made_at = backward_position(users[0].name) if isinstance(users[0].meta.get(META_KEY), NodeInfo) else None
+        made_at = backward_position(users[0].name) if node_info_if_profiled(users[0]) is not None else None
         if made_at is None or made_at >= last:
             continue
         nbytes = param.numel() * param.element_size()
@@ -361,12 +434,16 @@ def first_backward_use(saver_backward: list[int | None], last: int, num_forward:
     return min(last, max(num_forward, min(last if p is None else p for p in saver_backward)))
 
 
-def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, activations: dict[str, Activation],
-                         recomputable: frozenset[str], backward_position, cost: dict[str, int], num_forward: int,
-                         last: int, device: TransferModel = CPU_DISK, kind: str = "plain") -> StashOption | None:
+REMATERIALIZE_KINDS = ("plain", "chain", "through")
+_REMATERIALIZE_ACTION = {"plain": "rematerialize", "chain": "rematerialize:chain",
+                         "through": "rematerialize:through"}
+
+
+def rematerialize_option(node: torch.fx.Node | None, act: Activation, facts: StepFacts,
+                         activations: dict[str, Activation], kind: str = "plain") -> StashOption | None:
     """Dropping ``act`` after forward and running its op again — with the ops that made its inputs, back to
     inputs that stay on the device anyway — when backward first needs it. A checkpointed region cannot do
-    this without recomputing the op that saved ``act`` too.
+    this without recomputing the op that saved ``act`` too. ``activations``: every activation, by name.
 
     The recipe walks back from ``act``'s op through inputs that are not held long enough (at most
     ``MAX_RECIPE_OPS`` ops, an elementwise chain such as a tanh-GELU) to *base* inputs that are: a saver
@@ -376,12 +453,12 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
     no longer than autograd keeps them anyway. Only ``act``'s own op may be random (its RNG state is
     replayed). Offered for one contiguous tensor output.
 
-    With ``chain`` (action ``"rematerialize:chain"``) the walk also goes through held inputs that are saved
-    activations the recipe can hand over (``delivers``: dropped after forward as well, back from ``act``'s
-    first use), while the recipe runs at most ``MAX_CHAIN_HEAVY_OPS`` ops with FLOPs: a GELU output made
-    from the linear output before the previous GELU frees that linear output and the GELU output it reads
-    for one matmul, where two single-op recipes cannot (each would need the other's tensor held). Offered
-    only when it delivers something.
+    With ``kind="chain"`` (action ``"rematerialize:chain"``) the walk also goes through held inputs that are
+    saved activations the recipe can hand over (``delivers``: dropped after forward as well, back from
+    ``act``'s first use), while the recipe runs at most ``MAX_CHAIN_HEAVY_OPS`` ops with FLOPs: a GELU output
+    made from the linear output before the previous GELU frees that linear output and the GELU output it
+    reads for one matmul, where two single-op recipes cannot (each would need the other's tensor held).
+    Offered only when it delivers something.
 
     With ``kind="through"`` (action ``"rematerialize:through"``) the walk goes through every input back to
     the model's inputs and parameters, held or not, running at most ``MAX_THROUGH_HEAVY_OPS`` ops with FLOPs:
@@ -395,96 +472,140 @@ def rematerialize_option(node: torch.fx.Node | None, act: Activation, profile, a
     BatchNorm in training mode runs again without updating its running statistics
     (``runtime.regions.batch_norm_once``), in recipes as in regions.
     """
-    chain, through = kind == "chain", kind == "through"
-    if node is None or node.op != "call_function" or act.owner != node.name or node.name not in recomputable:
+    if kind not in _REMATERIALIZE_ACTION:
+        raise ValueError(f"kind={kind!r} must be one of {REMATERIALIZE_KINDS}")
+    if not _may_rematerialize(node, act, facts):
         return None
+    walk = _RecipeWalk(node, act, facts, activations, kind)
+    return walk.option() if walk.run() else None
+
+
+def _may_rematerialize(node: torch.fx.Node | None, act: Activation, facts: StepFacts) -> bool:
+    """Whether ``act`` is the whole tensor of a recomputable op that saves it for backward."""
+    if node is None or node.op != "call_function" or act.owner != node.name or node.name not in facts.recomputable:
+        return False
     if not act.savers or act.save_end < act.hold_start or not _whole_tensor(node, act.nbytes):
-        return None
-    if is_random(node) and node.meta["val"].device.type not in ("cpu", "cuda"):
-        return None           # the RNG state is replayed for the CPU and CUDA generators only
+        return False
+    # the RNG state is replayed for the CPU and CUDA generators only
+    return not (is_random(node) and node.meta["val"].device.type not in ("cpu", "cuda"))
 
-    def position(s: str) -> int:
-        p = backward_position(s)
-        return last if p is None else p
 
-    first_use = first_backward_use([backward_position(s) for s in act.savers], last, num_forward)
+class _RecipeWalk:
+    """One walk back from ``act``'s op (see :func:`rematerialize_option`): the ops the recipe runs, the bases it
+    reads and what it hands over, gathered as it goes."""
 
-    def deliverable(arg: torch.fx.Node, storage: str) -> bool:
+    def __init__(self, node: torch.fx.Node, act: Activation, facts: StepFacts, activations: dict[str, Activation],
+                 kind: str):
+        self.node, self.act, self.facts, self.activations, self.kind = node, act, facts, activations, kind
+        self.first_use = self._first_use(act)
+        self.recipe: dict[str, torch.fx.Node] = {}
+        self.needs_kept: list[str] = []
+        self.needs_unstashed: list[str] = []
+        self.delivers: list[str] = []
+        self.heavy = int(node_info(node).flops > 0)     # ops with FLOPs in the recipe, counted as they join it
+        self.passes_held = False                        # (through) it makes a held saved tensor again on its way
+        self.visiting = [node]
+
+    def _first_use(self, act: Activation) -> int:
+        return first_backward_use([self.facts.backward_position(s) for s in act.savers], self.facts.last,
+                                  self.facts.num_forward)
+
+    def run(self) -> bool:
+        """Walks the recipe; whether it makes ``act`` as its kind must."""
+        while self.visiting:
+            n = self.visiting.pop()
+            if n.name in self.recipe:
+                continue
+            if not self._may_join(n):
+                return False
+            self.recipe[n.name] = n
+            if not all(self._take(arg) for arg in n.all_input_nodes):
+                return False
+        if self.kind == "chain" and not self.delivers:
+            return False
+        return self.kind != "through" or self.passes_held
+
+    def _may_join(self, n: torch.fx.Node) -> bool:
+        """Whether the recipe may run ``n``: a plannable op with one output (an op's internal saves, a dropout
+        mask, are temporaries), not random unless it is ``act``'s own, and room left in the recipe."""
+        info = node_info(n) if n.op == "call_function" else None
+        if info is None or n.name not in self.facts.recomputable or (n is not self.node and is_random(n)):
+            return False
+        if any(".saved" not in c for c in info.creates[1:]) or len(self.recipe) == MAX_RECIPE_OPS:
+            return False
+        return n is not self.node or info.creates[:1] == [self.act.name]
+
+    def _take(self, arg: torch.fx.Node) -> bool:
+        """Takes input ``arg`` of a recipe op as a base the recipe reads, or as an op it runs again too; False
+        when it can be neither."""
+        if arg.op in ("placeholder", "get_attr"):
+            return True                       # parameters, buffers, inputs: always on the device
+        arg_info = node_info(arg) if arg.op == "call_function" else None
+        if arg_info is None:
+            return False
+        storage = arg_info.creates[0] if arg_info.creates else (
+            arg_info.reads[0] if len(arg_info.reads) == 1 else None)
+        if storage is None:
+            return False
+        source = self.activations.get(storage)
+        if source is None:
+            tensor = self.facts.profile.tensors.get(storage)
+            if tensor is None or tensor.is_output or not tensor.nbytes:
+                return True                   # graph outputs live to the end
+        guards = [s for s in source.savers if self.facts.position(s) >= self.act.save_end] \
+            if source is not None else []
+        if guards and self.kind != "through" and storage not in self.delivers and not (
+                self._deliverable(arg, storage) and self.heavy + (arg_info.flops > 0) <= MAX_CHAIN_HEAVY_OPS):
+            self._read_base(arg, storage, guards)
+            return True
+        return self._run_again(arg, arg_info, storage, bool(guards))
+
+    def _read_base(self, arg: torch.fx.Node, storage: str, guards: list[str]) -> None:
+        """A base: held by a kept saver until ``act``'s last use."""
+        if not any(s not in self.facts.recomputable for s in guards):
+            self.needs_kept.append(max(guards, key=self.facts.position))
+        if arg.name in self.facts.recomputable:
+            self.needs_kept.append(arg.name)   # its value is read from the outer graph
+        self.needs_unstashed.append(storage)
+
+    def _run_again(self, arg: torch.fx.Node, arg_info: NodeInfo, storage: str, held: bool) -> bool:
+        """``arg`` made again too; False when that takes the recipe over its ops with FLOPs."""
+        if held and self.kind == "through":
+            self.passes_held = True           # held, but made again here as a temporary of the recipe
+        elif held and storage not in self.delivers:
+            self.delivers.append(storage)     # held, but made again here and handed over
+        if arg.name not in self.recipe and arg not in self.visiting:
+            self.heavy += arg_info.flops > 0
+            if self.kind == "through" and self.heavy > MAX_THROUGH_HEAVY_OPS:
+                return False
+        self.visiting.append(arg)
+        return True
+
+    def _deliverable(self, arg: torch.fx.Node, storage: str) -> bool:
         """A held input the chain may make again and hand over: a whole saved tensor of a plain op, needed
         in backward no earlier than ``act``."""
-        source = activations.get(storage)
-        if chain is False or source is None or arg.name != storage or arg.name not in recomputable:
+        source = self.activations.get(storage)
+        if self.kind != "chain" or source is None or arg.name != storage or arg.name not in self.facts.recomputable:
             return False
         if is_random(arg) or not _whole_tensor(arg, source.nbytes):
             return False
         if not source.savers or source.save_end < source.hold_start:
             return False
-        return first_backward_use([backward_position(s) for s in source.savers], last, num_forward) >= first_use
+        return self._first_use(source) >= self.first_use
 
-    recipe: dict[str, torch.fx.Node] = {}
-    needs_kept, needs_unstashed, delivers = [], [], []
-    heavy = int(node_info(node).flops > 0)      # ops with FLOPs in the recipe, counted as they join it
-    passes_held = False                         # (through) it makes a held saved tensor again on its way
-    visiting = [node]
-    while visiting:
-        n = visiting.pop()
-        if n.name in recipe:
-            continue
-        info = node_info(n) if n.op == "call_function" else None
-        # made again: a plannable op with one output (an op's internal saves, a dropout mask, are temporaries)
-        if info is None or n.name not in recomputable or (n is not node and is_random(n)):
-            return None
-        if any(".saved" not in c for c in info.creates[1:]) or len(recipe) == MAX_RECIPE_OPS:
-            return None
-        if n is node and info.creates[:1] != [act.name]:
-            return None
-        recipe[n.name] = n
-        for arg in n.all_input_nodes:
-            if arg.op in ("placeholder", "get_attr"):
-                continue                      # parameters, buffers, inputs: always on the device
-            arg_info = node_info(arg) if arg.op == "call_function" else None
-            if arg_info is None:
-                return None
-            storage = arg_info.creates[0] if arg_info.creates else (
-                arg_info.reads[0] if len(arg_info.reads) == 1 else None)
-            if storage is None:
-                return None
-            source = activations.get(storage)
-            if source is None:
-                tensor = profile.tensors.get(storage)
-                if tensor is None or tensor.is_output or not tensor.nbytes:
-                    continue                  # graph outputs live to the end
-            guards = [s for s in source.savers if position(s) >= act.save_end] if source is not None else []
-            if guards and not through and storage not in delivers and not (
-                    deliverable(arg, storage) and heavy + (arg_info.flops > 0) <= MAX_CHAIN_HEAVY_OPS):
-                # a base: held by a kept saver until act's last use
-                if not any(s not in recomputable for s in guards):
-                    needs_kept.append(max(guards, key=position))
-                if arg.name in recomputable:
-                    needs_kept.append(arg.name)   # its value is read from the outer graph
-                needs_unstashed.append(storage)
-            else:
-                if guards and through:
-                    passes_held = True        # held, but made again here as a temporary of the recipe
-                elif guards and storage not in delivers:
-                    delivers.append(storage)  # held, but made again here and handed over
-                if arg.name not in recipe and arg not in visiting:
-                    heavy += arg_info.flops > 0
-                    if through and heavy > MAX_THROUGH_HEAVY_OPS:
-                        return None
-                visiting.append(arg)          # made again too
-    if (chain and not delivers) or (through and not passes_held):
-        return None
-    order = sorted(recipe, key=lambda name: node_info(recipe[name]).position)
-    overhead = device.seconds_to_cost(device.stash_seconds) * (1 + len(delivers))
-    # (plain and chain recipes make little besides their result: their temporaries are left to verification)
-    transient = _transient(profile, [recipe[n] for n in order], first_use - num_forward) if through else 0
-    return StashOption("rematerialize:through" if through else "rematerialize:chain" if chain else "rematerialize",
-                       stored_bytes=0, stored_from=act.hold_start, restored_from=first_use,
-                       cost=overhead + sum(cost[op] for op in order),
-                       needs_kept=tuple(dict.fromkeys([*order, *needs_kept])),
-                       needs_unstashed=tuple(dict.fromkeys(needs_unstashed)), recipe=tuple(order),
-                       delivers=tuple(delivers), transient_bytes=transient)
+    def option(self) -> StashOption:
+        """The walked recipe as a stash option."""
+        facts, recipe = self.facts, self.recipe
+        order = sorted(recipe, key=lambda name: node_info(recipe[name]).position)
+        overhead = facts.device.seconds_to_cost(facts.device.stash_seconds) * (1 + len(self.delivers))
+        # (plain and chain recipes make little besides their result: their temporaries are left to verification)
+        transient = _transient(facts.profile, [recipe[n] for n in order], self.first_use - facts.num_forward) \
+            if self.kind == "through" else 0
+        return StashOption(_REMATERIALIZE_ACTION[self.kind], stored_bytes=0, stored_from=self.act.hold_start,
+                           restored_from=self.first_use, cost=overhead + sum(facts.cost[op] for op in order),
+                           needs_kept=tuple(dict.fromkeys([*order, *self.needs_kept])),
+                           needs_unstashed=tuple(dict.fromkeys(self.needs_unstashed)), recipe=tuple(order),
+                           delivers=tuple(self.delivers), transient_bytes=transient)
 
 
 def unreplayable(node: torch.fx.Node) -> bool:
@@ -538,10 +659,6 @@ def _written_bytes(profile, node: torch.fx.Node) -> int:
 
 def calibrate(problem: Problem, measured: list[int]) -> Problem:
     """Sets ``fixed`` so that the all-keep plan predicts exactly ``measured`` at every position."""
-    from dataclasses import replace
-
-    from autorecompute.memory_model import memory_timeline
-
     modelled = memory_timeline(problem, {})
     fixed = tuple(m - v for m, v in zip(measured, modelled))
     return replace(problem, fixed=fixed)

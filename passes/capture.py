@@ -1,14 +1,22 @@
-"""Capture: ``torch.export`` (non-strict, training IR) → a differentiable GraphModule.
+"""Capture: ``torch.export`` (non-strict, training IR) → a differentiable GraphModule the planner can plan.
 
-The GraphModule shares the model's Parameters and buffers (same objects). Three clean-ups make it plannable:
-assertion nodes and the input guard are dropped (autorecompute keys plans on the input signature itself);
-``scaled_dot_product_attention`` calls that PyTorch runs as its math composite on this device (on a CPU:
-with dropout) are replaced by the ops that composite runs, so the planner sees the attention matrix, the
-softmax and the dropout mask as separate tensors (a fused kernel stays one op); and in-place ops on an
-activation that nothing else reads are made out-of-place, so that recomputing a region never replays a
-mutation of its own input. In-place updates of buffers (BatchNorm's ``num_batches_tracked``) stay as they are.
-Last, a cheap op that widens a tensor no gradient flows through (a boolean attention mask made float) runs
-again next to each of its later readers, so that the narrow tensor, not the wide one, is kept between them.
+The GraphModule shares the model's Parameters and buffers (same objects). Export runs here, with what it needs
+to trace a model as eager runs it (:func:`_eager_mask_decisions`); what no captured graph can run as eager
+does is refused with its fix (:class:`~autorecompute.errors.CaptureError`), and what it runs otherwise is said
+in a warning. Clean-ups, each a module of its own, then make the graph plannable, in this order:
+
+1. :mod:`~autorecompute.passes.drop_guards`: the input guard and assertion nodes go (a plan is keyed on the
+   input signature itself);
+2. :mod:`~autorecompute.passes.inline_attention`: attention run as PyTorch's math composite becomes that
+   composite's ops, so the attention matrix, the softmax and the dropout mask are separate tensors;
+3. :mod:`~autorecompute.passes.functionalize_mutations`: in-place ops on an activation nothing else reads
+   become out-of-place, so that recomputing a region never replays a mutation of its own input (after step 2:
+   the inlined composite fills its dropout mask in place);
+4. :mod:`~autorecompute.passes.softmax_in_place`: a softmax whose gradient is its own writes its backward into
+   that gradient;
+5. :mod:`~autorecompute.passes.widen_at_readers`: a cheap op widening a tensor no gradient flows through (a
+   boolean attention mask made float) runs again next to each later reader, so the narrow tensor is what is
+   kept between them.
 """
 from __future__ import annotations
 
@@ -16,7 +24,6 @@ import contextlib
 import inspect
 import io
 import logging
-import operator
 import os
 import sys
 import traceback
@@ -26,18 +33,19 @@ from typing import Iterator
 
 import torch
 import torch.fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
+from autorecompute import errors
 from autorecompute.errors import CaptureError, user_stacklevel
-from autorecompute.passes.rewrite_softmax import IN_PLACE
+from autorecompute.passes.autocast import callers_autocast
+from autorecompute.passes.drop_guards import drop_guards_and_asserts
+from autorecompute.passes.functionalize_mutations import functionalize_activation_mutations
+from autorecompute.passes.inline_attention import inline_math_attention
 from autorecompute.passes.side_effects import refuse_or_warn, side_effects_recorded
-from autorecompute.runtime.softmax import AUTOGRAD_SOFTMAX, softmax_backward_in_place
+from autorecompute.passes.softmax_in_place import write_softmax_backward_in_place
+from autorecompute.passes.widen_at_readers import widen_at_each_reader
 
-_DROPPED_TARGETS = {
-    torch.ops.aten._assert_tensor_metadata.default,
-    torch.ops.aten._assert_scalar.default,
-    torch.ops.aten.sym_constrain_range_for_size.default,
-}
+# callers_autocast: imported from here by autorecompute/api.py and autorecompute/planner.py
+__all__ = ["capture", "callers_autocast"]
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
@@ -70,11 +78,11 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     _refuse_data_dependent_shapes(gm, model)
     _warn_of_autocast_regions(gm, model)
     _share_state_with(gm, model)
-    _drop_guards_and_asserts(gm)
-    _inline_math_attention(gm)
-    _functionalize_activation_mutations(gm)
-    _softmax_backward_in_place(gm)
-    _widen_at_each_reader(gm)
+    drop_guards_and_asserts(gm)
+    inline_math_attention(gm)
+    functionalize_activation_mutations(gm)
+    write_softmax_backward_in_place(gm)
+    widen_at_each_reader(gm)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -172,9 +180,8 @@ def _failing_line(message: str, exc: Exception) -> str | None:
         lines = [line.strip() for line in message.split(marker, 1)[1].splitlines() if line.strip()][:2]
         if lines and lines[0].startswith("File "):
             return ": ".join(lines)
-    import autorecompute
-
-    inside = tuple(os.path.dirname(path) + os.sep for path in (torch.__file__, autorecompute.__file__, __file__))
+    # torch's, autorecompute's and these passes' folders (errors.py is in autorecompute's)
+    inside = tuple(os.path.dirname(path) + os.sep for path in (torch.__file__, errors.__file__, __file__))
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if not f.filename.startswith(inside) and not f.filename.startswith("<")]   # (not generated code)
     if not frames:
@@ -213,7 +220,7 @@ def _refuse_cumulative_batch_norm(model: torch.nn.Module) -> None:
 def _refuse_data_dependent_shapes(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
     """A tensor whose shape depends on values (boolean-mask indexing ``x[x > 0]``, ``masked_select``,
     ``nonzero``): its bytes are not known until the step runs, so no plan can bound them. torch.export traces
-    it with a symbolic size; planning then failed with an untyped fake-tensor exception."""
+    it with a symbolic size, on which planning would fail with an untyped fake-tensor exception."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     for node in gm.graph.nodes:
@@ -283,8 +290,8 @@ def _warn_of_hooks(model: torch.nn.Module) -> None:
 def _warn_of_autocast_regions(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
     """``torch.autocast`` entered inside ``forward``: ``torch.export`` keeps each such region as one
     higher-order op around a subgraph, which the planner sees as one op whose activations it can neither
-    recompute nor offload (a 6-layer MLP under it: minimum peak = eager's 10.76 MiB; autocast entered around
-    the call: 6.89 MiB). Said, with the fix, instead of a minimum that reads as a model too large."""
+    recompute nor offload, so the minimum peak stays near eager's. Said, with the fix, instead of a minimum that
+    reads as a model too large."""
     # (regions that switch autocast off — HF models keeping a softmax in float32 — cannot move outside forward:
     # they stay one op too, unsaid)
     regions = [region for region in gm.graph.find_nodes(op="call_function",
@@ -311,7 +318,7 @@ def _eager_mask_decisions(model: torch.nn.Module, args: tuple, kwargs: dict) -> 
     serves only calls with its input signature (shapes, and which arguments are passed), for which the first
     decision is fixed, and positions the model makes itself (none passed) are never packed: decided here as
     in eager, a captured Llama computes eager's gradients bit for bit (materialized, its mask and repeated
-    keys take another kernel and differ by ~1e-4). Decisions that read values the caller passes (a padding
+    keys take another kernel, whose gradients differ). Decisions that read values the caller passes (a padding
     mask, position ids) stay export's: the mask is built."""
     masking_utils = sys.modules.get("transformers.masking_utils")    # only where the model imported it
     if masking_utils is None or not callable(getattr(masking_utils, "is_torchdynamo_exporting", None)):
@@ -350,381 +357,3 @@ def _share_state_with(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
                 owner.register_parameter(attr, original)
             else:
                 owner.register_buffer(attr, original)
-
-
-def _drop_guards_and_asserts(gm: torch.fx.GraphModule) -> None:
-    for node in list(gm.graph.nodes):
-        is_guard = node.op == "call_module" and node.target == "_guards_fn"
-        if (is_guard or (node.op == "call_function" and node.target in _DROPPED_TARGETS)) and not node.users:
-            gm.graph.erase_node(node)
-
-
-_SDPA = torch.ops.aten.scaled_dot_product_attention.default
-_SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
-
-
-def _inline_math_attention(gm: torch.fx.GraphModule) -> None:
-    """Each ``scaled_dot_product_attention`` node that dispatches to PyTorch's math composite becomes the ops
-    that composite runs (traced by ``make_fx`` below autograd: the same kernels, the same random numbers, the
-    same gradients). As one node, its backward holds every tensor it saved at once (the attention
-    probabilities, the dropout mask and the masked probabilities); as ops, each can be kept, recomputed or
-    rematerialized on its own — what ``torch.compile``'s partitioner sees too. A call that runs a fused
-    kernel (flash / memory-efficient attention) stays one node.
-
-    Under ``torch.autocast`` every call stays one node: eager runs the composite below autocast (its matmuls
-    in the dtype the autocast kernel chose), while inlined ops would each be cast by autocast again when the
-    graph runs (with dropout on a CPU: gradients off by 0.25 on a bf16 attention block)."""
-    if callers_autocast():
-        return
-    for node in list(gm.graph.find_nodes(op="call_function", target=_SDPA)):
-        tensors, constants = _sdpa_call(node)
-        if tensors is None:
-            continue
-        names = list(tensors)
-
-        def attention(*values):
-            return _SDPA(**dict(zip(names, values)), **constants)
-
-        try:
-            sub = make_fx(attention, tracing_mode="fake")(*[_example(tensors[n].meta["val"]) for n in names])
-        except Exception:  # noqa: BLE001  (a call make_fx cannot trace stays one node: still correct)
-            continue
-        if any(n.target is _SDPA or "attention" in str(n.target) for n in sub.graph.nodes if n.op == "call_function"):
-            continue      # a fused kernel: one op, nothing to split
-        _inline(gm, node, sub, [tensors[n] for n in names])
-
-
-# device types whose enclosing torch.autocast changes the step a plan is made for
-AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "privateuseone")
-
-
-def callers_autocast(devices: tuple[str, ...] | set[str] = ()) -> list[tuple[str, torch.dtype]]:
-    """The enclosing ``torch.autocast`` regions of this thread, as (device type, dtype), over
-    :data:`AUTOCAST_DEVICES` and ``devices``, in name order."""
-    entered = []
-    for device_type in sorted({*AUTOCAST_DEVICES, *devices}):
-        try:
-            if torch.is_autocast_enabled(device_type):
-                entered.append((device_type, torch.get_autocast_dtype(device_type)))
-        except (RuntimeError, ValueError):      # a device type autocast does not know (meta): nothing to record
-            continue
-    return entered
-
-
-def _sdpa_call(node: torch.fx.Node) -> tuple[dict | None, dict]:
-    """(tensor arguments by name, the other arguments) of an SDPA node, or (None, {}) when not plannable."""
-    bound = dict(zip(_SDPA_ARGUMENTS, node.args))
-    bound.update(node.kwargs)
-    tensors = {k: v for k, v in bound.items() if isinstance(v, torch.fx.Node)}
-    constants = {k: v for k, v in bound.items() if not isinstance(v, torch.fx.Node)}
-    values = [t.meta.get("val") for t in tensors.values()]
-    if not all(isinstance(v, torch.Tensor) and v.device.type != "meta" for v in values):
-        return None, {}
-    return tensors, constants
-
-
-def _example(value: torch.Tensor) -> torch.Tensor:
-    """An uninitialized tensor with ``value``'s metadata: make_fx only reads shapes, strides and devices."""
-    example = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device=value.device)
-    return example.requires_grad_(value.requires_grad)
-
-
-def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx.GraphModule,
-            inputs: list[torch.fx.Node]) -> None:
-    """Replaces ``node`` by the graph of ``sub`` (its placeholders bound to ``inputs``)."""
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    placeholders = iter(inputs)
-    inherited = {key: node.meta[key] for key in ("nn_module_stack", "stack_trace", "source_fn_stack") if key in node.meta}
-    result = None
-    with gm.graph.inserting_before(node):
-        for n in sub.graph.nodes:
-            if n.op == "placeholder":
-                env[n] = next(placeholders)
-            elif n.op == "output":
-                result = torch.fx.map_arg(n.args[0], env.__getitem__)
-            else:
-                copied = gm.graph.node_copy(n, env.__getitem__)
-                copied.meta.update(inherited)
-                env[n] = copied
-    if isinstance(result, (tuple, list)):
-        result = result[0]
-    node.replace_all_uses_with(result)
-    gm.graph.erase_node(node)
-
-
-_SOFTMAXES = {op: safe for safe, op in AUTOGRAD_SOFTMAX.items()}    # → the ``safe`` flag
-_aten = torch.ops.aten
-# ops whose backward makes a new tensor for the argument (a matmul's ``grad @ other.T``, a mask's product)
-_NEW_GRADIENT = {_aten.matmul.default, _aten.bmm.default, _aten.mm.default, _aten.mul.Tensor,
-                 _aten.native_dropout.default}
-# ops whose backward hands the gradient on as it is, or as a view of it (``to`` its own dtype, dropout at p=0
-# on a CPU, which return their input): the gradient is then as much the softmax's own as theirs
-_HANDS_GRADIENT_ON = {_aten.to.dtype, _aten._to_copy.default, _aten.dropout.default, _aten.view.default,
-                      _aten.reshape.default, _aten._unsafe_view.default, _aten.expand.default, _aten.clone.default,
-                      _aten.contiguous.default, _aten.transpose.int, _aten.permute.default,
-                      _aten.unsqueeze.default, _aten.alias.default}
-
-
-def _softmax_backward_in_place(gm: torch.fx.GraphModule) -> None:
-    """Each softmax over the last dimension whose result's gradient is its own becomes
-    :func:`~autorecompute.runtime.softmax.softmax_backward_in_place`: its backward writes into that gradient,
-    so it holds two attention-sized tensors where autograd's holds three. The same values: same kernel. The
-    profile counts that memory; a plan that fits without it puts autograd's backward back
-    (:mod:`~autorecompute.passes.rewrite_softmax`)."""
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _SOFTMAXES or node.kwargs:
-            continue
-        x, result = node.args[0], node.meta.get("val")
-        source = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-        if not (isinstance(result, torch.Tensor) and isinstance(source, torch.Tensor)):
-            continue
-        dim = node.args[1] if len(node.args) > 1 else None
-        if source.dtype != result.dtype or not isinstance(dim, int) or dim % max(result.dim(), 1) != result.dim() - 1:
-            continue
-        if _owns_its_gradient(node):
-            dtype = node.args[2] if len(node.args) > 2 else None
-            node.meta[IN_PLACE] = safe = _SOFTMAXES[node.target]
-            node.args = (x, dim, dtype, safe)
-            node.target = softmax_backward_in_place
-
-
-def _owns_its_gradient(node: torch.fx.Node) -> bool:
-    """Whether the gradient autograd hands ``node``'s backward is read by nothing else: one op reads ``node``
-    where a gradient flows, once, and its backward makes a new tensor for it — or hands on its own gradient,
-    which it owns in turn. (Readers that take no gradient, ``detach``, do not count; a graph output's gradient
-    is the caller's.)"""
-    readers = [user for user in node.users if user.op != "call_function" or _takes_gradient(user)]
-    if len(readers) != 1 or readers[0].op != "call_function":
-        return False
-    reader = readers[0]
-    read: list[torch.fx.Node] = []
-    torch.fx.node.map_arg((reader.args, reader.kwargs), read.append)
-    if read.count(node) != 1:
-        return False
-    return reader.target in _NEW_GRADIENT or (reader.target in _HANDS_GRADIENT_ON and _owns_its_gradient(reader))
-
-
-def _takes_gradient(node: torch.fx.Node) -> bool:
-    """Whether a gradient may flow back through ``node`` (export's values do not say whether they require one)."""
-    value = node.meta.get("val")
-    floating = not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex()
-    return node.target is not torch.ops.aten.detach.default and floating
-
-
-# elementwise ops without the pointwise tag that widen a tensor: casts, and where with a scalar branch
-_WIDENING = {torch.ops.aten.where.ScalarOther, torch.ops.aten.where.ScalarSelf, torch.ops.aten.where.Scalar,
-             torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout}
-
-
-def _widen_at_each_reader(gm: torch.fx.GraphModule) -> None:
-    """Runs a cheap widening op again before each of its readers after the first, each reading its own copy.
-
-    HF decoders build the float attention mask once (``where(bool_mask, 0, -inf)``, 4× the boolean's bytes)
-    and add it in every layer: the float mask is then on the device from the first layer's forward to its
-    backward, and every recomputed layer holds it as a region input. Made again at each layer (one
-    elementwise op), the boolean mask is what stays. The rule (XLA's rematerialization of broadcasts and
-    converts): an elementwise op, no gradient through it, no random numbers, writing at least twice the
-    bytes of its inputs' storages, with several readers. The values are the same op's on the same inputs.
-    """
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or len(node.users) < 2 or not _widens(node):
-            continue
-        for reader in sorted(node.users, key=_position(gm))[1:]:
-            with gm.graph.inserting_before(reader):
-                again = gm.graph.node_copy(node)
-            reader.replace_input_with(node, again)
-
-
-def _position(gm: torch.fx.GraphModule):
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return order.__getitem__
-
-
-def _widens(node: torch.fx.Node) -> bool:
-    value = node.meta.get("val")
-    target = node.target
-    if not isinstance(value, torch.Tensor) or value.requires_grad or is_mutating(node) or _is_view(node):
-        return False
-    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in target.tags:
-        return False
-    if target not in _WIDENING and torch.Tag.pointwise not in target.tags:
-        return False
-    inputs = [n.meta.get("val") for n in node.all_input_nodes]
-    if not all(isinstance(v, torch.Tensor) and not v.requires_grad for v in inputs):
-        return False
-    storages = {v.untyped_storage()._cdata: v.untyped_storage().nbytes() for v in inputs}
-    out = value.numel() * value.element_size()
-    return out >= 2 * sum(storages.values())
-
-
-def is_mutating(node: torch.fx.Node) -> bool:
-    """Whether ``node`` writes into one of its arguments (``add_``, ``relu_``, ``copy_``...)."""
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-
-
-def _functionalize_activation_mutations(gm: torch.fx.GraphModule) -> None:
-    """``relu_(x)`` → ``relu(x)`` when ``x`` is an activation read by nothing else.
-
-    Export tracks the tensor object, so every later use already refers to the in-place node's output; with
-    ``x`` having no other user, the out-of-place op computes the same values.
-    """
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or not is_mutating(node) or not node.args:
-            continue
-        target_arg = node.args[0]
-        if not isinstance(target_arg, torch.fx.Node) or target_arg.op != "call_function":
-            continue
-        if _fills_fresh_tensor_with_bernoulli(node):
-            # empty_like(x).bernoulli_(p) (dropout's mask, as the math attention runs it) → bernoulli(x, p): the
-            # same numbers in a fresh tensor like x, and an op that can be recomputed with its RNG replayed
-            with gm.graph.inserting_before(node):    # the mask is no function of x (no gradient through it)
-                like = gm.graph.call_function(torch.ops.aten.detach.default, (target_arg.args[0],))
-            like.meta.update(target_arg.meta)
-            node.target = torch.ops.aten.bernoulli.p
-            node.args = (like, node.args[1] if len(node.args) > 1 else 0.5)
-            gm.graph.erase_node(target_arg)
-            continue
-        if len(target_arg.users) != 1 or target_arg.target is operator.getitem or _is_view(target_arg):
-            continue
-        functional = _functional_variant(node.target)
-        if functional is not None:
-            node.target = functional
-
-
-def _written(node: torch.fx.Node) -> list:
-    """The values ``node`` writes in place, read off its schema (``self`` of ``add_``, ``out`` of an out= op)."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is None:
-        return []
-    return [node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-            for i, argument in enumerate(schema.arguments)
-            if argument.alias_info is not None and argument.alias_info.is_write]
-
-
-def _storage_root(value):
-    """The node whose storage ``value`` is: through views and in-place writes (which return what they wrote)
-    to the op that allocated it, or the input / attribute."""
-    while isinstance(value, torch.fx.Node) and value.op == "call_function" and value.args \
-            and (is_mutating(value) or _is_view(value)):
-        written = _written(value)
-        value = written[0] if written else value.args[0]
-    return value
-
-
-def written_in_place(graph: torch.fx.Graph) -> set[str]:
-    """Ops whose result a later op writes in place (``empty_like`` that ``bernoulli_`` fills, a tensor other ops
-    also read and ``add_`` updates): running such an op again would not run the writes."""
-    written = set()
-    for node in graph.nodes:
-        if node.op == "call_function" and is_mutating(node):
-            for value in _written(node):
-                root = _storage_root(value)
-                if isinstance(root, torch.fx.Node) and root.op == "call_function":
-                    written.add(root.name)
-    return written
-
-
-def _subgraphs(node: torch.fx.Node) -> list[tuple[int, torch.fx.GraphModule]]:
-    """A higher-order op's subgraphs, with their positions among its arguments."""
-    owner = node.graph.owning_module
-    found = [(i, getattr(owner, arg.target, None)) for i, arg in enumerate(node.args)
-             if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and owner is not None]
-    return [(i, sub) for i, sub in found if isinstance(sub, torch.fx.GraphModule)]
-
-
-def subgraphs_mutate(node: torch.fx.Node) -> bool:
-    """Whether a higher-order op's subgraphs write a tensor in place (``wrap_with_set_grad_enabled`` around
-    spectral norm's power iteration, which updates its ``_u``/``_v`` buffers with ``out=``)."""
-    return any(is_mutating(n) or (isinstance(n.target, torch._ops.HigherOrderOperator) and subgraphs_mutate(n))
-               for _, sub in _subgraphs(node) for n in sub.graph.nodes if n.op == "call_function")
-
-
-def read_before_written(graph: torch.fx.Graph) -> set[str]:
-    """Ops that read a tensor (or a view of it) which a later op writes in place — an activation's slice
-    assigned (``a[:, :4] = tanh(a[:, :4])``), a buffer the forward updates (spectral norm's power iteration,
-    statistics updated under ``torch.no_grad()`` inside a higher-order op's subgraph): run again in backward,
-    they would read the written values (and autograd's version check fails)."""
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    sharing: dict[torch.fx.Node, list[torch.fx.Node]] = {}    # storage root → it, its views and in-place results
-    found: set[str] = set()
-
-    def readers_before(node: torch.fx.Node, value) -> None:
-        root = _storage_root(value)
-        for alias in sharing.get(root, [root] if isinstance(root, torch.fx.Node) else []):
-            found.update(reader.name for reader in alias.users
-                         if reader is not node and reader.op == "call_function" and order[reader] < order[node])
-
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        if isinstance(node.target, torch._ops.HigherOrderOperator):
-            written, returned = _subgraph_writes(node)
-            for user in node.users:       # a result that is a written operand (the buffer's new value) aliases it
-                if user.target is operator.getitem and user.args[1] in returned:
-                    root = _storage_root(returned[user.args[1]])
-                    sharing.setdefault(root, [root]).append(user)
-            for value in written:
-                readers_before(node, value)
-            continue
-        if not (_is_view(node) or is_mutating(node)):
-            continue
-        root = _storage_root(node)
-        if isinstance(root, torch.fx.Node):
-            sharing.setdefault(root, [root]).append(node)
-        if is_mutating(node):
-            for value in _written(node):
-                readers_before(node, value)
-    return found
-
-
-def _subgraph_writes(node: torch.fx.Node) -> tuple[list, dict]:
-    """For a higher-order op (``wrap_with_set_grad_enabled(False, submod, *operands)``): the operands its
-    subgraph writes in place, and {result index: the written operand that result is}."""
-    subgraphs = _subgraphs(node)
-    if not subgraphs:
-        return [], {}
-    position, sub = subgraphs[0]
-    operands = node.args[position + 1:]
-    placeholders = {n: i for i, n in enumerate(n for n in sub.graph.nodes if n.op == "placeholder")}
-    written: set[int] = set()
-    for inner in sub.graph.nodes:
-        if inner.op != "call_function":
-            continue
-        values = _written(inner) if is_mutating(inner) else \
-            _subgraph_writes(inner)[0] if isinstance(inner.target, torch._ops.HigherOrderOperator) else []
-        written.update(placeholders[root] for root in map(_storage_root, values) if root in placeholders)
-    results = next(n for n in sub.graph.nodes if n.op == "output").args[0]
-    results = results if isinstance(results, (tuple, list)) else [results]
-    returned = {k: operands[placeholders[root]] for k, root in enumerate(map(_storage_root, results))
-                if root in placeholders and placeholders[root] in written and placeholders[root] < len(operands)}
-    return [operands[i] for i in sorted(written) if i < len(operands)], returned
-
-
-def _fills_fresh_tensor_with_bernoulli(node: torch.fx.Node) -> bool:
-    """``bernoulli_(empty_like(x), p)`` with nothing else reading the empty tensor and ``x`` contiguous (so the
-    fresh tensor ``bernoulli.p`` makes has the same layout)."""
-    if node.target is not torch.ops.aten.bernoulli_.float or node.kwargs.get("generator") is not None:
-        return False
-    empty = node.args[0]
-    if empty.target is not torch.ops.aten.empty_like.default or len(empty.users) != 1 or not empty.args:
-        return False
-    like = empty.args[0].meta.get("val") if isinstance(empty.args[0], torch.fx.Node) else None
-    plain = all(empty.kwargs.get(k) is None for k in ("dtype", "layout", "device", "pin_memory")) and \
-        empty.kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format)
-    return plain and isinstance(like, torch.Tensor) and like.is_contiguous()
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
-
-
-def _functional_variant(op):
-    packet_name = op._schema.name.split("::")[-1]
-    if not packet_name.endswith("_"):
-        return None
-    packet = getattr(torch.ops.aten, packet_name[:-1], None)
-    if packet is None:
-        return None
-    return getattr(packet, op._overloadname, None)

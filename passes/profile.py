@@ -1,115 +1,34 @@
 """Profile: one fake training step of the captured graph, annotating every node.
 
-For each ``call_function`` node, ``node.meta["autorecompute"]`` gets a :class:`NodeInfo`:
-its forward position, the FLOPs it runs (``FlopCounterMode``), the tensors (storages) it creates and
-reads, the tensors autograd saves for its backward — observed through saved-tensor hooks, not read from a
-table — and the position at which its backward runs. ``gm.meta["autorecompute"]`` gets the
-:class:`StepProfile`: every activation tensor with its lifetime, and the measured memory at each forward
-node and each backward event, which calibrates the memory model.
+For each ``call_function`` node, ``node.meta`` gets a :class:`~.profile_records.NodeInfo`: its forward
+position, the FLOPs it runs (``FlopCounterMode``), the tensors (storages) it creates and reads, the tensors
+autograd saves for its backward — observed through saved-tensor hooks, not read from a table — and the
+position at which its backward runs. ``gm.meta`` gets the :class:`~.profile_records.StepProfile`: every
+activation tensor with its lifetime, and the measured memory at each forward node and each backward event,
+which calibrates the memory model. Read them with :func:`~.meta.node_info` and :func:`~.meta.step_profile`.
 """
 from __future__ import annotations
 
 import operator
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.fx
+from torch.fx._pytree import tree_flatten_spec
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from autorecompute.passes.fake import fake_step
+from autorecompute.passes.meta import node_info, set_node_info, set_step_profile, step_profile
+from autorecompute.passes.profile_records import NodeInfo, StepProfile, TensorInfo
 from autorecompute.runtime import workspaces
 from autorecompute.runtime.memory import (LiveStorageTracker, device_bytes_outside, hold_reserve,
                                           output_tensors_for_backward, step_state, tensor_bytes)
 
-META_KEY = "autorecompute"
-
-
-@dataclass
-class TensorInfo:
-    """One activation storage created during forward."""
-
-    name: str                 # the first graph value that is this tensor (producer or its getitem)
-    owner: str                # the op node that allocates it (the node whose recomputation drops it)
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: str
-    birth: int                # forward position of ``owner``
-    last_forward_use: int     # last forward position that reads it (graph outputs: the last position)
-    savers: list[str] = field(default_factory=list)     # op nodes whose backward saved it
-    readers: list[str] = field(default_factory=list)    # op nodes that read it in forward
-    is_output: bool = False
-
-
-@dataclass
-class NodeInfo:
-    """What the profile pass learned about one ``call_function`` node."""
-
-    position: int
-    flops: int
-    creates: list[str]        # tensors (by name) whose storage this node allocates
-    reads: list[str]          # activation tensors it reads
-    saves: list[str]          # activation tensors autograd keeps for its backward
-    saves_static_bytes: int   # bytes it saves that are parameters / inputs (always resident)
-    backward_event: int | None  # index into StepProfile.backward_events, None if it has no backward
-    forward_peak: int         # tracked bytes at the peak of its execution
-    module_path: str
-    # FLOPs it had run when autograd packed its last saved tensor: what checkpoint's early stop runs of it
-    # again when it is a region's last saver (a 4-D matmul saves its internal copy before its bmm: 0)
-    flops_before_last_save: int = 0
-
-
-@dataclass
-class StepProfile:
-    """Graph-level result of the profile pass (``gm.meta["autorecompute"]``)."""
-
-    resident: dict[str, int]                      # parameters, buffers, inputs, gradients (existing)
-    tensors: dict[str, TensorInfo]
-    order: list[str]                              # call_function nodes in forward order
-    forward_peaks: list[int]                      # tracked bytes per forward position
-    backward_events: list[str]                    # node names, in the order their backward ran
-    backward_peaks: list[int]                     # tracked bytes per backward event
-    parameter_grad_bytes: int
-    tracked_peak: int
-    # tracked bytes as each backward event starts: a saved tensor is unpacked then, before the event's own
-    # allocations (its gradients), so what a recipe makes at that moment shares the event's headroom
-    backward_starts: list[int] = field(default_factory=list)
-    # bytes held beside the outputs' gradients as backward starts: the caller's loss (``run_step``)
-    loss_reserve: int = 0
-
-    def headroom(self, event: int) -> int:
-        """Bytes backward event ``event`` allocates above what was live as it started (0 when unknown)."""
-        if not 0 <= event < min(len(self.backward_peaks), len(self.backward_starts)):
-            return 0
-        return max(0, self.backward_peaks[event] - self.backward_starts[event])
-
-    @property
-    def resident_bytes(self) -> int:
-        return sum(self.resident.values())
-
-    @property
-    def peak(self) -> int:
-        return self.resident_bytes + self.tracked_peak
-
-
-def node_info(node: torch.fx.Node) -> NodeInfo:
-    """The profile of ``node``; fails with the pass to run when it is missing."""
-    info = node.meta.get(META_KEY)
-    if not isinstance(info, NodeInfo):
-        raise RuntimeError(f"node {node.name!r} has no autorecompute profile: run "
-                           "autorecompute.passes.profile.profile_step(gm, args, kwargs) first")
-    return info
-
-
-def step_profile(gm: torch.fx.GraphModule) -> StepProfile:
-    """The graph-level profile; fails with the pass to run when it is missing."""
-    info = gm.meta.get(META_KEY)
-    if not isinstance(info, StepProfile):
-        raise RuntimeError("graph has no autorecompute step profile: run "
-                           "autorecompute.passes.profile.profile_step(gm, args, kwargs) first")
-    return info
+# imported from here by autorecompute/planner.py, passes/rewrite_stash.py and passes/apply_plan.py
+__all__ = ["profile_step", "module_path", "node_info", "step_profile", "NodeInfo", "StepProfile", "TensorInfo"]
 
 
 def module_path(node: torch.fx.Node) -> str:
@@ -121,24 +40,46 @@ def module_path(node: torch.fx.Node) -> str:
     return path.replace("L['self'].", "").replace("L__self__.", "") if isinstance(path, str) else ""
 
 
+@dataclass
+class _TensorDraft:
+    """A :class:`TensorInfo` while forward runs: its lifetime, savers and readers grow node by node."""
+
+    name: str
+    owner: str
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    birth: int
+    last_forward_use: int
+    savers: list[str] = field(default_factory=list)
+    readers: list[str] = field(default_factory=list)
+    is_output: bool = False
+
+    def info(self) -> TensorInfo:
+        return TensorInfo(name=self.name, owner=self.owner, nbytes=self.nbytes, shape=self.shape, dtype=self.dtype,
+                          birth=self.birth, last_forward_use=self.last_forward_use, savers=self.savers,
+                          readers=self.readers, is_output=self.is_output)
+
+
 class _Profiler(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, tracker: LiveStorageTracker, static_keys: set[int]):
         super().__init__(gm, garbage_collect_values=True)
         # a value nothing reads (``copy_``'s result: a view of the tensor it wrote into) goes at once, as in the
-        # GraphModule's own code; the Interpreter frees values at their last use only, so it kept such a view,
-        # and the storage under it, to the end of the step (an in-place add on a slice: +1 activation a layer)
+        # GraphModule's own code; the Interpreter frees values at their last use only, and would keep such a
+        # view, and the storage under it, to the end of the step
         for node in self.graph.nodes:
             if not node.users and node.op != "output":
                 self.user_to_last_uses.setdefault(node, []).append(node)
         self.tracker = tracker
         self.static_keys = static_keys
         self.owner_of_key: dict[int, str] = {}      # live storage → tensor name
-        self.tensors: dict[str, TensorInfo] = {}
+        self.tensors: dict[str, _TensorDraft] = {}
         self.values_of: dict[str, list[str]] = {}   # node name → tensor names of its value
-        self.infos: dict[str, NodeInfo] = {}
+        self.infos: dict[str, NodeInfo] = {}        # backward events not yet in: see ``backward_event_of``
+        self.backward_event_of: dict[str, int] = {}
         self.current: str | None = None
         self.position = -1
-        self.pending_saves: list[tuple[str, int]] = []
+        self.pending_saves: list[tuple[str, Any, torch.Tensor]] = []
         self.static_saved: dict[str, int] = {}
         self.grad_fn_owner: dict[int, str] = {}     # id of a grad_fn (while alive) → the node that made it
         self.shares_backward: dict[str, str] = {}   # node whose output is its input's → that input's maker
@@ -191,53 +132,79 @@ class _Profiler(torch.fx.Interpreter):
         self.current = None
 
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        created = self._record_created(n, flat_out)
+        reads = self._record_reads(n)
+        saves = self._record_saves(n, created)
+        self._hook_backward(n, flat_out, input_grad_fns)
+        self.infos[n.name] = NodeInfo(
+            position=self.position, flops=int(flops), creates=created, reads=reads,
+            saves=saves, saves_static_bytes=self.static_saved.get(n.name, 0), backward_event=None,
+            forward_peak=forward_peak, module_path=module_path(n),
+            flops_before_last_save=int(self.flops_at_last_pack - flops_before))
+        self.forward_peaks.append(forward_peak)
+        return out
+
+    def _new_tensor(self, name: str, owner: str, storage, t: torch.Tensor, birth: int) -> None:
+        """Names ``storage`` ``name`` while it lives."""
+        key = storage._cdata
+        self.owner_of_key[key] = name
+        self.finalizers.append(weakref.finalize(storage, self._forget, key))
+        self.tensors[name] = _TensorDraft(
+            name=name, owner=owner, nbytes=storage.nbytes(), shape=tuple(t.shape),
+            dtype=str(t.dtype).replace("torch.", ""), birth=birth, last_forward_use=self.position)
+
+    def _record_created(self, n: torch.fx.Node, flat_out: list[torch.Tensor]) -> list[str]:
+        """The storages ``n``'s value allocates, named; a getitem's are its tuple producer's (it allocated them),
+        so they are added to the producer's ``creates`` and ``n`` creates none."""
         created, value_tensors = [], []
         for i, t in enumerate(flat_out):
             storage = t.untyped_storage()
-            key = storage._cdata
-            name = self.owner_of_key.get(key)
-            if name is None and key not in self.static_keys:
+            name = self.owner_of_key.get(storage._cdata)
+            if name is None and storage._cdata not in self.static_keys:
                 name = n.name if len(flat_out) == 1 else f"{n.name}[{i}]"
                 owner = n.name
                 if n.target is operator.getitem:   # the tuple's producer allocated it
                     name, owner = n.name, n.args[0].name
-                self.owner_of_key[key] = name
-                self.finalizers.append(weakref.finalize(storage, self._forget, key))
-                self.tensors[name] = TensorInfo(
-                    name=name, owner=owner, nbytes=storage.nbytes(), shape=tuple(t.shape),
-                    dtype=str(t.dtype).replace("torch.", ""), birth=self.infos[owner].position
-                    if owner in self.infos else self.position, last_forward_use=self.position)
+                self._new_tensor(name, owner, storage, t,
+                                 self.infos[owner].position if owner in self.infos else self.position)
                 created.append(name)
             if name is not None:
                 value_tensors.append(name)
-        if n.target is operator.getitem and n.args[0].name in self.infos:
-            self.infos[n.args[0].name].creates.extend(created)
-            created = []
         self.values_of[n.name] = value_tensors
+        if n.target is operator.getitem and n.args[0].name in self.infos:
+            producer = self.infos[n.args[0].name]
+            self.infos[n.args[0].name] = replace(producer, creates=[*producer.creates, *created])
+            return []
+        return created
 
+    def _record_reads(self, n: torch.fx.Node) -> list[str]:
+        """The activation tensors ``n`` reads, each then read last at this position."""
         reads = sorted({name for arg in n.all_input_nodes for name in self.values_of.get(arg.name, [])})
         for name in reads:
-            info = self.tensors[name]
-            info.last_forward_use = self.position
-            if n.name not in info.readers:
-                info.readers.append(n.name)
+            draft = self.tensors[name]
+            draft.last_forward_use = self.position
+            if n.name not in draft.readers:
+                draft.readers.append(n.name)
+        return reads
+
+    def _record_saves(self, n: torch.fx.Node, created: list[str]) -> list[str]:
+        """The activation tensors autograd kept for ``n``'s backward; one the op made internally (a dropout
+        mask) is named here and added to ``created``."""
         saves = []
         for node_name, storage, t in self.pending_saves:
-            key = storage._cdata
-            name = self.owner_of_key.get(key)
+            name = self.owner_of_key.get(storage._cdata)
             if name is None:   # a tensor the op made internally and kept for backward (a dropout mask)
                 name = f"{n.name}.saved{len(created)}"
-                self.owner_of_key[key] = name
-                self.finalizers.append(weakref.finalize(storage, self._forget, key))
-                self.tensors[name] = TensorInfo(
-                    name=name, owner=n.name, nbytes=storage.nbytes(), shape=tuple(t.shape),
-                    dtype=str(t.dtype).replace("torch.", ""), birth=self.position,
-                    last_forward_use=self.position)
+                self._new_tensor(name, n.name, storage, t, self.position)
                 created.append(name)
             if name not in saves:
                 saves.append(name)
                 self.tensors[name].savers.append(node_name)
         self.pending_saves = []
+        return saves
+
+    def _hook_backward(self, n: torch.fx.Node, flat_out: list[torch.Tensor], input_grad_fns: list) -> None:
+        """A hook that opens ``n``'s backward event when its autograd node runs."""
         grad_fn = flat_out[0].grad_fn if flat_out else None
         if grad_fn is not None and any(grad_fn is g for g in input_grad_fns):
             # the op returned its input (``.to`` its own dtype, dropout with p=0): it has no backward of its
@@ -248,13 +215,6 @@ class _Profiler(torch.fx.Interpreter):
         elif grad_fn is not None:
             self.grad_fn_owner[id(grad_fn)] = n.name
             self.hooks.append(grad_fn.register_prehook(self._on_backward(n.name)))
-        self.infos[n.name] = NodeInfo(
-            position=self.position, flops=int(flops), creates=created, reads=reads,
-            saves=saves, saves_static_bytes=self.static_saved.get(n.name, 0), backward_event=None,
-            forward_peak=forward_peak, module_path=module_path(n),
-            flops_before_last_save=int(self.flops_at_last_pack - flops_before))
-        self.forward_peaks.append(forward_peak)
-        return out
 
     def _on_backward(self, name: str):
         def hook(grad_outputs):
@@ -264,9 +224,17 @@ class _Profiler(torch.fx.Interpreter):
                 self.backward_peaks.append(peak)
             else:
                 self.first_segment_peak = peak
-            self.infos[name].backward_event = len(self.backward_events)
+            self.backward_event_of[name] = len(self.backward_events)
             self.backward_events.append(name)
         return hook
+
+    def node_infos(self) -> dict[str, NodeInfo]:
+        """Every node's record, its backward event in (a node that returned its input: its maker's)."""
+        events = dict(self.backward_event_of)
+        for name, maker in self.shares_backward.items():
+            events[name] = events.get(maker)
+        return {name: replace(info, backward_event=events[name]) if events.get(name) is not None else info
+                for name, info in self.infos.items()}
 
 
 def profile_step(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, loss_reserve: int | str = 0) -> StepProfile:
@@ -282,8 +250,35 @@ def profile_step(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, loss_reser
 
 
 def _profile_once(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, loss_reserve: int | str) -> StepProfile:
-    from torch.fx._pytree import tree_flatten_spec
+    resident, parameter_grad_bytes = _resident(gm, args, kwargs)
+    with fake_step(gm, args, kwargs) as (fake_args, fake_kwargs):
+        flat_args = tree_flatten_spec((list(fake_args), fake_kwargs), gm._in_spec) \
+            if getattr(gm, "_in_spec", None) is not None else list(fake_args)
+        static = [*gm.parameters(), *gm.buffers(), *flat_args]
+        static_keys = {t.untyped_storage()._cdata for t in static if isinstance(t, torch.Tensor)}
+        tracker = LiveStorageTracker()
+        profiler = _Profiler(gm, tracker, static_keys)
+        with tracker:
+            grads_of = _run_forward(profiler, flat_args)
+            reserved = _run_backward(grads_of, loss_reserve)
+            del grads_of
+            _close_backward(profiler, tracker)
+    infos = profiler.node_infos()
+    for node in gm.graph.nodes:
+        if node.name in infos:
+            set_node_info(node, infos[node.name])
+    profile = StepProfile(
+        resident=resident, tensors={name: draft.info() for name, draft in profiler.tensors.items()},
+        order=profiler.order, forward_peaks=profiler.forward_peaks, backward_events=profiler.backward_events,
+        backward_peaks=profiler.backward_peaks, backward_starts=profiler.backward_starts,
+        parameter_grad_bytes=parameter_grad_bytes,
+        tracked_peak=tracker.peak, loss_reserve=reserved)
+    set_step_profile(gm, profile)
+    return profile
 
+
+def _resident(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> tuple[dict[str, int], int]:
+    """(the bytes on the device before the step, by kind; the bytes of the parameter gradients it makes)."""
     params = list(gm.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     resident = {
@@ -295,52 +290,42 @@ def _profile_once(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, loss_rese
     other = device_bytes_outside(step_state(gm, args, kwargs))
     if other:       # CUDA only: workspaces, optimizer state, other tensors, the allocator's slack
         resident["other on device"] = other
-    parameter_grad_bytes = tensor_bytes([p for p in params if p.requires_grad and p.grad is None])
-    with fake_step(gm, args, kwargs) as (fake_args, fake_kwargs):
-        flat_args = tree_flatten_spec((list(fake_args), fake_kwargs), gm._in_spec) \
-            if getattr(gm, "_in_spec", None) is not None else list(fake_args)
-        static = [*gm.parameters(), *gm.buffers(), *flat_args]
-        static_keys = {t.untyped_storage()._cdata for t in static if isinstance(t, torch.Tensor)}
-        tracker = LiveStorageTracker()
-        profiler = _Profiler(gm, tracker, static_keys)
-        with tracker:
-            # one FLOP counter for the whole forward: each node reads the difference it made
-            with torch.autograd.graph.saved_tensors_hooks(profiler.pack, lambda t: t), \
-                    FlopCounterMode(display=False) as profiler.counter:
-                outputs = profiler.run(*flat_args)
-            out_tensors = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
-            for t in out_tensors:
-                name = profiler.owner_of_key.get(t.untyped_storage()._cdata)
-                if name is not None:
-                    profiler.tensors[name].is_output = True
-                    profiler.tensors[name].last_forward_use = profiler.position
-            grads_of = output_tensors_for_backward(outputs)
-            del outputs, out_tensors
-            reserved = 0
-            if grads_of:
-                seeds = [torch.ones_like(t) for t in grads_of]
-                reserved = hold_reserve(grads_of, loss_reserve)
-                torch.autograd.backward(grads_of, seeds)
-                del seeds
-            del grads_of
-            for handle in profiler.hooks:
-                handle.remove()
-            for finalizer in profiler.finalizers:
-                finalizer.detach()
-            last = tracker.reset_window_peak()
-            for name, maker in profiler.shares_backward.items():
-                profiler.infos[name].backward_event = profiler.infos[maker].backward_event
-            if profiler.backward_events:
-                profiler.backward_peaks.append(last)
-                profiler.backward_peaks[0] = max(profiler.backward_peaks[0], profiler.first_segment_peak)
-    for node in gm.graph.nodes:
-        if node.name in profiler.infos:
-            node.meta[META_KEY] = profiler.infos[node.name]
-    profile = StepProfile(
-        resident=resident, tensors=profiler.tensors, order=profiler.order,
-        forward_peaks=profiler.forward_peaks, backward_events=profiler.backward_events,
-        backward_peaks=profiler.backward_peaks, backward_starts=profiler.backward_starts,
-        parameter_grad_bytes=parameter_grad_bytes,
-        tracked_peak=tracker.peak, loss_reserve=reserved)
-    gm.meta[META_KEY] = profile
-    return profile
+    return resident, tensor_bytes([p for p in params if p.requires_grad and p.grad is None])
+
+
+def _run_forward(profiler: _Profiler, flat_args: list) -> list[torch.Tensor]:
+    """Runs the forward, marks its outputs, and returns the outputs backward starts from (the outputs
+    themselves are dropped here, as the caller's step drops what it does not keep)."""
+    # one FLOP counter for the whole forward: each node reads the difference it made
+    with torch.autograd.graph.saved_tensors_hooks(profiler.pack, lambda t: t), \
+            FlopCounterMode(display=False) as profiler.counter:
+        outputs = profiler.run(*flat_args)
+    for t in tree_flatten(outputs)[0]:
+        name = profiler.owner_of_key.get(t.untyped_storage()._cdata) if isinstance(t, torch.Tensor) else None
+        if name is not None:
+            profiler.tensors[name].is_output = True
+            profiler.tensors[name].last_forward_use = profiler.position
+    return output_tensors_for_backward(outputs)
+
+
+def _run_backward(grads_of: list[torch.Tensor], loss_reserve: int | str) -> int:
+    """Runs backward from ``grads_of`` with unit gradients, holding the loss's reserve; returns its bytes."""
+    if not grads_of:
+        return 0
+    seeds = [torch.ones_like(t) for t in grads_of]
+    reserved = hold_reserve(grads_of, loss_reserve)
+    torch.autograd.backward(grads_of, seeds)
+    return reserved
+
+
+def _close_backward(profiler: _Profiler, tracker: LiveStorageTracker) -> None:
+    """Removes the step's hooks and finalizers and books the last backward event's peak (the first event's
+    includes what came before it: the seed gradients)."""
+    for handle in profiler.hooks:
+        handle.remove()
+    for finalizer in profiler.finalizers:
+        finalizer.detach()
+    last = tracker.reset_window_peak()
+    if profiler.backward_events:
+        profiler.backward_peaks.append(last)
+        profiler.backward_peaks[0] = max(profiler.backward_peaks[0], profiler.first_segment_peak)

@@ -117,8 +117,7 @@ def test_an_op_whose_result_is_written_in_place_later_is_not_recomputable():
 def test_least_flops_plan_at_torch_compiles_point_runs_no_flops_again():
     """GPT-2 with dropout at 69.6% of eager's peak: torch.compile's ``activation_memory_budget=0.7`` point,
     where its partitioner recomputes only elementwise ops. With attention split into its math ops, a plan
-    that runs no FLOPs again fits there; the least-FLOPs search starts from it (it had run a 4.2-MFLOP
-    matmul again: goal 3 of the benchmarks)."""
+    that runs no FLOPs again fits there, and the least-FLOPs search finds it (goal 3 of the benchmarks)."""
     case = models.make("gpt2")
     model = case.model
     eager = measured_step(model, model, case.args, case.kwargs, seed=2)
@@ -369,10 +368,10 @@ def test_only_readers_of_what_a_no_grad_block_writes_are_kept_from_recomputation
     """Writes inside a higher-order op's subgraph (a ``torch.no_grad()`` block updating buffers) make the ops
     that read those buffers before them unfit to run again — and only those: spectral norm's power
     iteration writes its own vectors, so a BatchNorm beside it stays recomputable (a rule taking every
-    buffer had turned off all four here, raising the recompute-only minimum 11%)."""
+    buffer would turn off all four here, and raise the recompute-only minimum)."""
     from torch.nn.utils.parametrizations import spectral_norm
 
-    from autorecompute.passes.capture import read_before_written
+    from autorecompute.passes.graph_facts import read_before_written
 
     class Statistics(torch.nn.Module):
         def __init__(self):
@@ -480,7 +479,7 @@ def test_a_softmax_backward_in_place_is_recorded_as_autograds_under_create_graph
 
 def test_a_plan_keeps_the_softmax_backward_in_place_only_where_its_budget_needs_it():
     """autograd's softmax backward is the faster (called from C++): a plan that fits without the in-place one
-    puts it back — budget=1.0 is eager's own peak, as it was — and at the minimum, where the in-place
+    puts it back — budget=1.0 is eager's own peak — and at the minimum, where the in-place
     backward is what fits, it stays. Each plan measured within its budget, with eager's gradients bit for bit."""
     torch.manual_seed(0)
     model, args = _Probabilities(OWN_GRADIENT["a matmul"][0]), (torch.randn(4, 64, 8), torch.randn(4, 64, 8))

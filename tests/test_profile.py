@@ -8,7 +8,8 @@ import torch.nn as nn
 from autorecompute.memory_model import predicted_peak
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
-from autorecompute.passes.profile import node_info, profile_step
+from autorecompute.passes.meta import node_info
+from autorecompute.passes.profile import profile_step
 from autorecompute.passes.rewrite_recompute import rewrite_recompute
 from autorecompute.passes.verify import fake_step_memory
 from autorecompute.planner import _decisions, clone_graph_module
@@ -48,12 +49,11 @@ def test_an_op_that_returns_its_input_shares_its_makers_backward_event():
 
 
 def test_the_model_never_books_a_tensor_twice_on_any_single_region_plan():
-    # Booked at an empty event before the softmax's, the softmax's backward counted the probabilities as
-    # fixed and again as recomputed (or as held by a saver whose region made its own copy): 18–54 KB over
-    # on most of these plans. The model is within less than one tensor of the probabilities' size of the
-    # measured peak on every one. It can be under: a region recomputed at softmax's backward makes its
+    # Booked at an empty event before the softmax's, the softmax's backward would count the probabilities as
+    # fixed and again as recomputed (or as held by a saver whose region made its own copy). The model is
+    # within less than one tensor of the probabilities' size of the measured peak on every one. It can be under: a region recomputed at softmax's backward makes its
     # unsaved temporaries (the scores) there, which the model does not count — autograd's softmax backward
-    # allocated a gradient of their size after them, the in-place one allocates none (the verification
+    # allocates a gradient of their size after them, the in-place one allocates none (the verification
     # measures every plan).
     gm, args, profile = profiled()
     probabilities = next(t.nbytes for t in profile.tensors.values() if t.owner.startswith("softmax"))
@@ -85,8 +85,8 @@ class SliceUpdated(nn.Module):
 
 def test_the_profile_measures_what_the_graph_module_allocates_when_a_value_has_no_reader():
     """``h[:, :16] += 1`` is captured as ``copy_(slice, add_)``, whose result — a view of ``h`` — nothing reads.
-    The GraphModule's code drops it at once; the profile must too (it had held it, and ``h``'s storage, to
-    the end of the step: a baseline peak 1.33× eager's on 8 layers, and fractional budgets of that)."""
+    The GraphModule's code drops it at once; the profile must too (holding it, and ``h``'s storage, to the
+    end of the step would raise the baseline peak over eager's, and fractional budgets with it)."""
     from harness import measured_step
 
     torch.manual_seed(0)

@@ -4,7 +4,8 @@ import torch.nn as nn
 
 from autorecompute.passes.build_problem import _recipe_temporaries, _transient
 from autorecompute.passes.capture import capture
-from autorecompute.passes.profile import StepProfile, profile_step
+from autorecompute.passes.profile import profile_step
+from autorecompute.passes.profile_records import StepProfile
 
 ROWS, WIDTH = 32, 16
 TENSOR = ROWS * WIDTH * 4      # bytes of each activation below

@@ -9,9 +9,11 @@ import models
 from autorecompute.memory_model import NEW_REGION, predicted_peak
 from autorecompute.passes.build_problem import build_problem, repeated_blocks, repeated_ops
 from autorecompute.passes.capture import capture
-from autorecompute.passes.profile import module_path, node_info, profile_step
+from autorecompute.passes.meta import node_info
+from autorecompute.passes.profile import module_path, profile_step
+from autorecompute.decisions import MoveKind
 from autorecompute.solvers import greedy
-from autorecompute.solvers.baselines import per_block_plan
+from autorecompute.solvers.segment_plans import per_block_plan
 
 
 @pytest.fixture(scope="module")
@@ -127,11 +129,11 @@ def test_only_blocks_that_call_the_same_ops_repeat_each_other():
 
 def test_a_group_move_decides_every_op_and_undoes_exactly():
     recompute = {"a": True, "b": False}
-    undo = greedy._apply(recompute, {}, "group", ("a", "b", "c"), NEW_REGION)
+    undo = greedy._apply(recompute, {}, MoveKind.GROUP, ("a", "b", "c"), NEW_REGION)
     assert recompute == {"a": NEW_REGION, "b": NEW_REGION, "c": NEW_REGION}
     undo()
     assert recompute == {"a": True, "b": False}
-    assert greedy._apply({"a": False}, {}, "group", ("a", "b"), False) is None    # nothing to change
+    assert greedy._apply({"a": False}, {}, MoveKind.GROUP, ("a", "b"), False) is None    # nothing to change
 
 
 def test_group_moves_lower_a_peak_every_layer_reaches(gpt_problem):

@@ -13,7 +13,7 @@ from autorecompute.passes.profile import profile_step
 from autorecompute.passes.rewrite_recompute import rewrite_recompute
 from autorecompute.planner import _decisions, clone_graph_module
 from autorecompute.runtime.memory import run_step
-from autorecompute.solvers.baselines import sqrt_n_plan
+from autorecompute.solvers.segment_plans import sqrt_n_plan
 from conftest import SOLVER_TIME
 from harness import measured_step
 

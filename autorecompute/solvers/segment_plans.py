@@ -1,4 +1,6 @@
-"""Baseline plans expressed in autorecompute's own terms, so any captured model can be compared.
+"""Segment checkpointing plans as recompute decisions on a :class:`~autorecompute.problem.Problem`: the chain cut
+into segments, one checkpoint kept per segment, the rest recomputed. They are the minimum-peak search's
+starts (``greedy.lowest_start``) and, for any captured model, the plans autorecompute is compared with.
 
 ``sqrt_n_plan``: Chen et al.'s √N checkpointing generalized to graphs — the chain is cut only at
 articulation points of the data-flow graph (ops every path goes through, so a segment boundary holds one
