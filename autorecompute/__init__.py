@@ -24,7 +24,7 @@ del plan   # noqa: F821 — bound by the import of the submodule
 # public name → the module that defines it, imported when the name is first read
 _LAZY = {"compile": "autorecompute.api", "plan": "autorecompute.api", "minimum_peak": "autorecompute.api",
          "CompiledModule": "autorecompute.api",
-         "TransferModel": "autorecompute.passes.throughputs", "measure_peak": "autorecompute.runtime.memory"}
+         "TransferModel": "autorecompute.throughputs", "measure_peak": "autorecompute.runtime.memory"}
 
 __all__ = ["compile", "plan", "minimum_peak", "measure_peak", "parse_budget", "format_bytes", "Plan",
            "CompiledModule", "TransferModel", "InfeasibleBudgetError", "CaptureError", "OffloadError",

@@ -18,14 +18,14 @@ from torch.utils._pytree import tree_flatten
 from autorecompute.budget import format_bytes, parse_budget
 from autorecompute.errors import (InfeasibleBudgetError, OverlappingStepsWarning, PartialBackwardWarning,
                                   ReplanningWarning, user_location, user_stacklevel)
-from autorecompute.passes.capture import callers_autocast
+from autorecompute.passes.autocast import callers_autocast
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
 from autorecompute.runtime.memory import (ALLOCATOR_SLACK, device_bytes_outside, differentiable_outputs,
                                            output_tensors_for_backward,
                                           step_state, tensor_bytes)
 from autorecompute.runtime.stash import distributed
-from autorecompute.transfer import TransferModel
+from autorecompute.throughputs import TransferModel
 
 log = logging.getLogger("autorecompute")
 if os.environ.get("AUTORECOMPUTE_LOG"):

@@ -22,7 +22,7 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from autorecompute.report import SAVE_FORMATS
+    from autorecompute.report_html import SAVE_FORMATS
 
     def fail(message: str, code: int = 2) -> int:
         print(f"error: {message}", file=sys.stderr)

@@ -486,7 +486,7 @@ class Plan:
     def save(self, path: str) -> str:
         """Writes the plan as ``.dot``, ``.svg`` (Graphviz), ``.json``, ``.html`` (one self-contained page:
         summary, table, graph, timeline) or ``.png`` (the memory timeline); returns ``path``."""
-        from autorecompute.report import save_plan
+        from autorecompute.report_html import save_plan
 
         return save_plan(self, path)
 

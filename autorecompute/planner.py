@@ -27,8 +27,10 @@ from autorecompute.errors import InfeasibleBudgetError, user_stacklevel
 from autorecompute.memory_model import (REMAKE, extra_cost, extra_flops, held_at, memory_components,
                                          memory_timeline, predicted_peak, region_ids, remakes, rewrite_of)
 from autorecompute.passes.build_problem import build_problem
-from autorecompute.passes.capture import callers_autocast, capture
-from autorecompute.passes.profile import node_info, step_profile, profile_step
+from autorecompute.passes.autocast import callers_autocast
+from autorecompute.passes.capture import capture
+from autorecompute.passes.meta import node_info, step_profile
+from autorecompute.passes.profile import profile_step
 from autorecompute.passes.rewrite_calls import rewrite_calls
 from autorecompute.passes.rewrite_recompute import rewrite_recompute
 from autorecompute.passes.rewrite_softmax import rewrite_softmax, softmax_in_place_nodes
@@ -41,7 +43,7 @@ from autorecompute.runtime.memory import AUTO
 from autorecompute.runtime.stash import StashedModule, StashRuntime, distributed
 from autorecompute.runtime.tiers import check_writable
 from autorecompute.search import Search, SearchPlan as Decisions, Strategies
-from autorecompute.transfer import TransferModel, counting_flops, default_for
+from autorecompute.throughputs import TransferModel, counting_flops, default_for
 
 log = logging.getLogger("autorecompute")
 

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import subprocess
 from collections import Counter, defaultdict
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autorecompute.budget import format_bytes
@@ -319,29 +317,3 @@ def _offscreen_axes():
     figure = Figure(figsize=FIGURE_SIZE, dpi=FIGURE_DPI)
     FigureCanvasAgg(figure)
     return figure.add_subplot()
-
-
-def plan_to_html(plan: "Plan") -> str:
-    """One self-contained page (:func:`autorecompute.report_html.plan_to_html`)."""
-    from autorecompute.report_html import plan_to_html as page
-
-    return page(plan)
-
-
-SAVE_FORMATS = (".dot", ".svg", ".json", ".html", ".png")    # what :func:`save_plan` writes, by suffix
-
-
-def save_plan(plan: "Plan", path: str) -> str:
-    """Writes ``plan`` in the format its suffix names (:data:`SAVE_FORMATS`)."""
-    path = os.path.expanduser(path) if isinstance(path, (str, os.PathLike)) else path
-    suffix = Path(path).suffix.lower()
-    writers = {".dot": plan.to_dot, ".json": plan.to_json, ".svg": lambda: render_svg(plan.to_dot()),
-               ".html": lambda: plan_to_html(plan)}
-    if suffix not in SAVE_FORMATS:
-        what = f"as {suffix!r}" if suffix else f"to {str(path)!r}, which has no extension"
-        raise ValueError(f"cannot save a plan {what}: use {', '.join(SAVE_FORMATS[:-1])} or {SAVE_FORMATS[-1]}")
-    if suffix == ".png":
-        plot_memory(plan, path)
-        return path
-    Path(path).write_text(writers[suffix]())
-    return path

@@ -9,11 +9,13 @@ from __future__ import annotations
 import base64
 import html
 import io
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autorecompute.budget import format_bytes
 from autorecompute.fates import FATES, NOTHING_HELD
-from autorecompute.report import _blocks, _offscreen_axes, output_text, plot_memory, row_label
+from autorecompute.report import _blocks, _offscreen_axes, output_text, plot_memory, render_svg, row_label
 from autorecompute.report_fold import Fold, fate_label, fold_layers, index_ranges, shows
 from autorecompute.report_graph import chip, module_graph
 
@@ -141,3 +143,22 @@ def plan_to_html(plan: "Plan") -> str:
         "the next; * marks an op of alike layers whose decision differs between them (hover for which).</p>",
         f"<div class='graph'>{module_graph(plan, items)}</div>",
         _table(items), "</div>", _gradients(plan), "</body></html>"])
+
+
+SAVE_FORMATS = (".dot", ".svg", ".json", ".html", ".png")    # what :func:`save_plan` writes, by suffix
+
+
+def save_plan(plan: "Plan", path: str) -> str:
+    """Writes ``plan`` in the format its suffix names (:data:`SAVE_FORMATS`)."""
+    path = os.path.expanduser(path) if isinstance(path, (str, os.PathLike)) else path
+    suffix = Path(path).suffix.lower()
+    writers = {".dot": plan.to_dot, ".json": plan.to_json, ".svg": lambda: render_svg(plan.to_dot()),
+               ".html": lambda: plan_to_html(plan)}
+    if suffix not in SAVE_FORMATS:
+        what = f"as {suffix!r}" if suffix else f"to {str(path)!r}, which has no extension"
+        raise ValueError(f"cannot save a plan {what}: use {', '.join(SAVE_FORMATS[:-1])} or {SAVE_FORMATS[-1]}")
+    if suffix == ".png":
+        plot_memory(plan, path)
+        return path
+    Path(path).write_text(writers[suffix]())
+    return path

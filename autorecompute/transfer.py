@@ -1,7 +1,7 @@
 """The cost model's throughputs (:class:`TransferModel` and each device's defaults), and :func:`measure`, which
 times this machine's CPU offload path once (:mod:`autorecompute.probes`) and caches the result.
 
-The throughputs are defined in :mod:`autorecompute.passes.throughputs`, which the planning pipeline imports;
+The throughputs are defined in :mod:`autorecompute.throughputs`, which the planning pipeline imports;
 this module adds ``measure``, which runs that pipeline, and is where users find both.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 import torch
 
 from autorecompute import probes
-from autorecompute.passes.throughputs import (CPU_DISK, CUDA_HOST, TIE_BREAK_BYTES_PER_FLOP, TransferModel,
+from autorecompute.throughputs import (CPU_DISK, CUDA_HOST, TIE_BREAK_BYTES_PER_FLOP, TransferModel,
                                               counting_flops, default_for)
 
 __all__ = ["TransferModel", "CPU_DISK", "CUDA_HOST", "TIE_BREAK_BYTES_PER_FLOP", "counting_flops", "default_for",

@@ -17,7 +17,7 @@ from autorecompute.passes.graph_facts import is_mutating, read_before_written, s
 from autorecompute.passes.meta import node_info, node_info_if_profiled, step_profile
 from autorecompute.passes.profile import module_path
 from autorecompute.passes.profile_records import NodeInfo, StepProfile, TensorInfo
-from autorecompute.passes.throughputs import CPU_DISK, TransferModel
+from autorecompute.throughputs import CPU_DISK, TransferModel
 from autorecompute.problem import GRADIENT, Activation, Problem, StashOption
 from autorecompute.runtime.codecs import codec
 from autorecompute.runtime.regions import BATCH_NORM

@@ -12,26 +12,11 @@ import ast
 import pathlib
 
 import networkx as nx
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # package → its folder (pyproject.toml maps ``autorecompute.passes`` to the top-level ``passes/``)
 PACKAGES = {"autorecompute": ROOT / "autorecompute", "autorecompute.passes": ROOT / "passes"}
 MAX_FUNCTION_LINES = 80
-
-# (file, function) pairs still over MAX_FUNCTION_LINES while they are being split; empty it as they land
-LONG_FUNCTIONS_BEING_SPLIT: frozenset[tuple[str, str]] = frozenset()
-
-# cycles that remain, by the modules in them, each with why; the test of each is expected to fail until it goes
-KNOWN_CYCLES = {
-    "report-report_html": ({"autorecompute.report", "autorecompute.report_graph", "autorecompute.report_html"},
-                           "report → report_html → (report_graph →) report: report.plan_to_html imports "
-                           "report_html in a function, and report_html and report_graph import report's helpers"),
-    "transfer-probes-api": ({"autorecompute.transfer", "autorecompute.probes", "autorecompute.api",
-                             "autorecompute.planner"},
-                            "transfer → probes → api → planner → transfer: api.py and planner.py import the "
-                            "throughputs from autorecompute.transfer instead of autorecompute.passes.throughputs"),
-}
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -111,20 +96,9 @@ def test_the_import_graph_reads_function_level_and_lazy_imports():
     assert graph.has_edge("autorecompute.solvers.greedy", "autorecompute.solvers.segment_plans")  # in a function
 
 
-def test_no_import_cycle_but_the_known_ones():
+def test_no_import_cycle():
     cycles = _cycles()
-    print(_show(cycles) or "no import cycle")
-    unknown = [cycle for cycle in cycles if not any(set(cycle) <= members for members, _ in KNOWN_CYCLES.values())]
-    assert not unknown, f"import cycles:\n{_show(unknown)}"
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(reason=why, strict=False))
-                                  for name, (_, why) in KNOWN_CYCLES.items()])
-def test_a_known_cycle_is_gone(name):
-    members = KNOWN_CYCLES[name][0]
-    remaining = [cycle for cycle in _cycles() if set(cycle) <= members]
-    print(_show(remaining))
-    assert not remaining, f"{name} import cycles:\n{_show(remaining)}"
+    assert not cycles, f"import cycles:\n{_show(cycles)}"
 
 
 def long_functions() -> dict[tuple[str, str], int]:
@@ -150,12 +124,6 @@ def long_functions() -> dict[tuple[str, str], int]:
 
 
 def test_no_function_is_over_80_lines():
-    found = long_functions()
-    over = {key: lines for key, lines in found.items() if key not in LONG_FUNCTIONS_BEING_SPLIT}
+    over = long_functions()
     assert not over, "functions over 80 lines (split them):\n" + "\n".join(
         f"  {file}: {name} ({lines} lines)" for (file, name), lines in sorted(over.items()))
-
-
-def test_the_allowlist_of_long_functions_names_only_long_functions():
-    shrunk = sorted(LONG_FUNCTIONS_BEING_SPLIT - set(long_functions()))
-    assert not shrunk, f"no longer over 80 lines: remove them from LONG_FUNCTIONS_BEING_SPLIT: {shrunk}"

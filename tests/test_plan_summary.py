@@ -13,7 +13,8 @@ import autorecompute
 import models
 from autorecompute.budget import format_bytes
 from autorecompute.plan import FATES, NOTHING_HELD, Plan, fate, tensor_bytes
-from autorecompute.report import format_table, plan_to_html
+from autorecompute.report import format_table
+from autorecompute.report_html import plan_to_html
 from autorecompute.report_fold import Fold, fold_layers, index_ranges, layer_of
 from conftest import SOLVER_TIME
 

@@ -9,7 +9,8 @@ import torch
 import autorecompute
 import models
 from autorecompute.plan import SCHEMA_VERSION, Plan
-from autorecompute.report import GRAPHVIZ_MISSING, plan_to_html
+from autorecompute.report import GRAPHVIZ_MISSING
+from autorecompute.report_html import plan_to_html
 from conftest import SOLVER_TIME
 
 MODELS = ("gpt", "resnet", "bert")
