@@ -13,7 +13,7 @@ ops in ``chain`` order; a region runs again in backward only up to the last op t
 backward — ``torch.utils.checkpoint`` stops its recomputation there — see :attr:`Problem.saves`);
 ``stash[activation] = action`` takes an activation that autograd holds off the
 device (``"offload"``) or keeps it smaller (``"compress:<dtype>"``) between forward and backward, one of
-its :class:`StashOption`; see docs/architecture.md for the memory rules.
+its :class:`StashOption`; see docs/design-notes.md for the memory rules.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Core-pipeline figures for docs/architecture.md: baseline and minimum peak per zoo model, and the
+"""Core-pipeline figures for docs/design-notes.md: baseline and minimum peak per zoo model, and the
 measured-vs-predicted check at four budgets. Run: python benchmarks/core_table.py (about 3 minutes)."""
 from __future__ import annotations
 
