@@ -24,23 +24,22 @@ from torch.utils._pytree import tree_map_only
 
 from autorecompute.budget import parse_budget, resolve_budget
 from autorecompute.errors import InfeasibleBudgetError, user_stacklevel
-from autorecompute.memory_model import (REMAKE, extra_cost, extra_flops, held_at, memory_components,
-                                         memory_timeline, predicted_peak, region_ids, remakes, rewrite_of)
+from autorecompute.memory_model import (extra_cost, extra_flops, held_at, memory_components, memory_timeline,
+                                         predicted_peak, rewrite_of)
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.autocast import callers_autocast
 from autorecompute.passes.capture import capture
 from autorecompute.passes.meta import node_info, step_profile
 from autorecompute.passes.profile import profile_step
 from autorecompute.passes.rewrite_calls import rewrite_calls
-from autorecompute.passes.rewrite_recompute import rewrite_recompute
+from autorecompute.passes.apply_plan import graph_module_of
 from autorecompute.passes.rewrite_softmax import rewrite_softmax, softmax_in_place_nodes
-from autorecompute.passes.rewrite_stash import rewrite_stash
-from autorecompute.passes.verify import fake_step_memory
+from autorecompute.passes.verify import fake_step_memory, verify_plan
 from autorecompute.plan import NodeRecord, Plan, StashRecord
 from autorecompute.problem import GRADIENT, Problem
 from autorecompute.runtime.codecs import CODECS
 from autorecompute.runtime.memory import AUTO
-from autorecompute.runtime.stash import StashedModule, StashRuntime, distributed
+from autorecompute.runtime.stash import StashRuntime, distributed
 from autorecompute.runtime.tiers import check_writable
 from autorecompute.search import Search, SearchPlan as Decisions, Strategies
 from autorecompute.throughputs import TransferModel, counting_flops, default_for
@@ -134,20 +133,7 @@ class Planned:
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
-        return self.module.graph_module if isinstance(self.module, StashedModule) else self.module
-
-
-def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A new GraphModule over a copy of ``gm``'s graph, sharing its parameters and buffers."""
-    graph = torch.fx.Graph()
-    output = graph.graph_copy(gm.graph, {}, return_output_node=True)
-    if isinstance(output, tuple):
-        output_value, _ = output
-        graph.output(output_value)
-    graph._codegen = gm.graph._codegen      # pytree in/out specs: immutable, shared
-    clone = torch.fx.GraphModule(gm, graph)
-    clone.meta = dict(gm.meta)
-    return clone
+        return graph_module_of(self.module)
 
 
 def _device_type(args: tuple, kwargs: dict) -> str:
@@ -157,24 +143,6 @@ def _device_type(args: tuple, kwargs: dict) -> str:
         if isinstance(value, torch.Tensor):
             return value.device.type
     return "cpu"
-
-
-def _decisions(problem: Problem, recompute: dict[str, bool]) -> dict[str, str]:
-    return {op: ("recompute" if recompute.get(op) else "keep") for op in problem.chain if op in problem.recomputable}
-
-
-def _region_starts(problem: Problem, recompute: dict[str, bool]) -> tuple[str, ...]:
-    """Recomputed ops that begin a region though the op before them is recomputed too."""
-    ids = region_ids(problem, recompute)
-    return tuple(op for k, op in enumerate(problem.chain) if k and ids[k] >= 0 and ids[k - 1] >= 0
-                 and ids[k] != ids[k - 1])
-
-
-def _region_remakes(problem: Problem, recompute: dict[str, bool]) -> tuple[str, ...]:
-    """The first ops of the regions that make their inputs from the region before them again (``remakes``)."""
-    ids = region_ids(problem, recompute)
-    made = remakes(problem, recompute, ids)     # (regions that begin with an op decided REMAKE)
-    return tuple(op for k, op in enumerate(problem.chain) if recompute.get(op) == REMAKE and ids[k] in made)
 
 
 def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options: PlannerOptions,
@@ -271,7 +239,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     log.debug("plan: %s", plan.summary())
     # last, on the module that runs: each op called through eager's own binding where that dispatches the same
     # ops (the same kernels and allocations as verified; a microsecond less per call)
-    rewrite_calls(found.module.graph_module if isinstance(found.module, StashedModule) else found.module)
+    rewrite_calls(graph_module_of(found.module))
     return Planned(plan=plan, module=found.module)
 
 
@@ -304,19 +272,12 @@ def _under_autocast(entered: list, fn, *args):
 
 def _verifier(gm: torch.fx.GraphModule, problem: Problem, runtime: StashRuntime | None, args: tuple, kwargs: dict,
               reserve: int):
-    """``verify(plan) -> (module, peak)``: the plan carried out on a copy of ``gm``, its step measured."""
+    """``verify(plan) -> (module, peak)``: the plan carried out on a copy of ``gm``, its step measured, every
+    softmax capture wrote in place left so (as the profile counts them)."""
+    captured = tuple(softmax_in_place_nodes(gm))
+
     def verify(decisions: Decisions) -> tuple[torch.nn.Module, int]:
-        recompute, stash = decisions
-        candidate = rewrite_recompute(clone_graph_module(gm), _decisions(problem, recompute),
-                                      _region_starts(problem, recompute), _region_remakes(problem, recompute))
-        if stash:
-            prefetch = {name: problem.stash_option(name, action).restored_from - problem.num_forward
-                        for name, action in stash.items()}
-            chosen = {name: problem.stash_option(name, action) for name, action in stash.items()}
-            recipes = {name: option.recipe for name, option in chosen.items() if option.recipe}
-            delivers = {name: option.delivers for name, option in chosen.items() if option.delivers}
-            candidate = StashedModule(rewrite_stash(candidate, stash, prefetch, runtime, recipes, delivers))
-        return candidate, fake_step_memory(candidate, args, kwargs, reserve).peak
+        return verify_plan(gm, rewrite_of(problem, *decisions, captured), runtime, args, kwargs, reserve)
     return verify
 
 
@@ -342,7 +303,7 @@ def _softmax_in_place(module: torch.nn.Module, args: tuple, kwargs: dict, budget
     memory; where the step also fits ``budget`` with all of them back on autograd's backward (measured, as
     every plan is), they go back: autograd's is called from C++, ~35 µs a softmax less on a CPU (2% of a
     GPT-style step at √N's peak). Else all stay in place."""
-    gm = module.graph_module if isinstance(module, StashedModule) else module
+    gm = graph_module_of(module)
     names = softmax_in_place_nodes(gm)
     if not names:
         return (), peak

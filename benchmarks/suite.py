@@ -38,7 +38,8 @@ from autorecompute.passes.profile import profile_step  # noqa: E402
 from autorecompute.passes.rewrite_calls import rewrite_calls  # noqa: E402
 from autorecompute.passes.rewrite_recompute import rewrite_recompute  # noqa: E402
 from autorecompute.passes.verify import fake_step_memory  # noqa: E402
-from autorecompute.planner import _decisions, clone_graph_module  # noqa: E402
+from autorecompute.memory_model import rewrite_of  # noqa: E402
+from autorecompute.passes.apply_plan import clone_graph_module  # noqa: E402
 from autorecompute.runtime.memory import run_step  # noqa: E402
 from autorecompute.solvers.segment_plans import sqrt_n_plan  # noqa: E402
 from compile_budget import NO_DROPOUT, make_case  # noqa: E402
@@ -139,7 +140,7 @@ def sqrt_n_module(case):
     gm = capture(case.model, case.args, case.kwargs)
     profile_step(gm, case.args, case.kwargs)
     problem = build_problem(gm)
-    return rewrite_calls(rewrite_recompute(clone_graph_module(gm), _decisions(problem, sqrt_n_plan(problem))))
+    return rewrite_calls(rewrite_recompute(clone_graph_module(gm), rewrite_of(problem, sqrt_n_plan(problem)).words))
 
 
 def minimum_peak(case, limit: float, actions: tuple[str, ...] = RECOMPUTE) -> int:

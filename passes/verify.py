@@ -2,15 +2,20 @@
 
 Fake and real runs allocate the same storages in the same order, so this is the peak a real step reaches
 (kernel-internal scratch included on CUDA, where it is measured per op signature), had in seconds and without memory.
+:func:`verify_plan` applies a plan and measures it: what the planner does with every candidate.
 """
 from __future__ import annotations
 
 from functools import partial
 
 import torch
+import torch.fx
 
+from autorecompute.decisions import Rewrite
+from autorecompute.passes.apply_plan import apply_plan
 from autorecompute.runtime import workspaces
 from autorecompute.runtime.memory import StepMemory, measure_step, resident_bytes, run_step
+from autorecompute.runtime.stash import StashRuntime
 from autorecompute.passes.fake import fake_step
 
 
@@ -28,3 +33,12 @@ def fake_step_memory(module: torch.nn.Module, args: tuple, kwargs: dict, reserve
 
     # CUDA op signatures the profile did not meet (a rewrite's copies) are measured, then the step again
     return StepMemory(resident=resident, tracked_peak=workspaces.with_workspaces(measured).tracked_peak)
+
+
+def verify_plan(gm: torch.fx.GraphModule, rewrite: Rewrite, runtime: StashRuntime | None, args: tuple,
+                kwargs: dict, reserve: int = 0) -> tuple[torch.nn.Module, int]:
+    """(the module carrying ``rewrite`` out on a copy of ``gm``, the peak of its training step): a candidate
+    plan as the planner measures it. Its calls keep their ``OpOverload`` (``apply_plan(bind_calls=False)``):
+    the bindings dispatch the same kernels and allocations, and are found for the module that runs only."""
+    module = apply_plan(gm, rewrite, runtime, bind_calls=False)
+    return module, fake_step_memory(module, args, kwargs, reserve).peak

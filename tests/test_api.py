@@ -885,16 +885,16 @@ def test_every_candidate_is_measured_under_the_callers_autocast(monkeypatch):
     measured in float32 for a step planned under bfloat16 autocast. Every check now runs under the caller's."""
     import threading
 
-    from autorecompute import planner
+    from autorecompute.passes import verify
 
     measured = []
-    original = planner.fake_step_memory
+    original = verify.fake_step_memory
 
     def recording(*args, **kwargs):
         measured.append((threading.current_thread() is threading.main_thread(), torch.is_autocast_enabled("cpu")))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(planner, "fake_step_memory", recording)
+    monkeypatch.setattr(verify, "fake_step_memory", recording)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(6)])
     compiled = autorecompute.compile(model, budget=0.85, actions=("recompute",), solver_time_limit=SOLVER_TIME)
     with torch.autocast("cpu", dtype=torch.bfloat16):

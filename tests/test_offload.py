@@ -11,11 +11,13 @@ import torch
 
 import autorecompute
 import models
+from autorecompute.decisions import Action, Stashed
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import profile_step
 from autorecompute.passes.rewrite_stash import rewrite_stash
-from autorecompute.planner import clone_graph_module
+from autorecompute.passes.apply_plan import clone_graph_module
+from autorecompute.throughputs import CUDA_HOST
 from autorecompute.runtime import tiers
 from autorecompute.runtime.stash import StashedModule, StashRuntime
 from conftest import SOLVER_TIME
@@ -61,15 +63,15 @@ def test_prefetched_offloads_are_nodes_of_the_graph_and_come_back_exact():
     case.model.zero_grad(set_to_none=True)
     gm = capture(case.model, case.args, case.kwargs)
     profile_step(gm, case.args, case.kwargs)
-    problem = build_problem(gm, offload=autorecompute.transfer.CUDA_HOST)
+    problem = build_problem(gm, offload=CUDA_HOST)
     prefetched = {name: options[0] for name, options in problem.stash_options.items()
                   if options[0].action == "offload" and not name.startswith("grad:")}
     first_uses = {name: next(o for o in problem.stash_options[name] if o.action == "offload:late").restored_from
                   for name in prefetched if len(problem.stash_options[name]) > 1}
     assert first_uses and any(prefetched[n].restored_from < first_uses[n] for n in first_uses)
-    stash = {name: "offload" for name in first_uses}
-    prefetch_at = {name: prefetched[name].restored_from - problem.num_forward for name in stash}
-    rewritten = StashedModule(rewrite_stash(clone_graph_module(gm), stash, prefetch_at, StashRuntime()))
+    stash = {name: Stashed(Action.parse("offload"), prefetched[name].restored_from - problem.num_forward)
+             for name in first_uses}
+    rewritten = StashedModule(rewrite_stash(clone_graph_module(gm), stash, StashRuntime()))
     code = rewritten.graph_module.code
     assert "stash_offload(" in code and "stash_release(" in code and code.count("stash_prefetch(") == len(stash)
     assert f"'{next(iter(stash))}'" in code          # the node names the tensor it offloads
@@ -82,7 +84,7 @@ def test_graph_code_shows_offload_and_cast_nodes():
     (``offload:late``, no prefetch node), whatever ``transfer`` says about overlap."""
     case = models.make("gpt")
     offloading = autorecompute.compile(case.model, budget=0.5, actions=("offload",), solver_time_limit=SOLVER_TIME,
-                                       transfer=autorecompute.transfer.CUDA_HOST)
+                                       transfer=CUDA_HOST)
     offloading.prepare(*case.args)
     code, plan = offloading.graph_module.code, offloading.plan
     assert plan.count("offload") > 0 and {r.action for r in plan.stash.values()} == {"offload:late"}

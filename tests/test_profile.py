@@ -12,7 +12,8 @@ from autorecompute.passes.meta import node_info
 from autorecompute.passes.profile import profile_step
 from autorecompute.passes.rewrite_recompute import rewrite_recompute
 from autorecompute.passes.verify import fake_step_memory
-from autorecompute.planner import _decisions, clone_graph_module
+from autorecompute.memory_model import rewrite_of
+from autorecompute.passes.apply_plan import clone_graph_module
 
 
 class Attention(nn.Module):
@@ -62,7 +63,7 @@ def test_the_model_never_books_a_tensor_twice_on_any_single_region_plan():
     assert len(ops) >= 6
     for i, j in itertools.combinations(range(len(ops) + 1), 2):
         recompute = {op: True for op in ops[i:j]}
-        candidate = rewrite_recompute(clone_graph_module(gm), _decisions(problem, recompute))
+        candidate = rewrite_recompute(clone_graph_module(gm), rewrite_of(problem, recompute).words)
         measured = fake_step_memory(candidate, args, {}).peak
         assert abs(predicted_peak(problem, recompute) - measured) < probabilities, ops[i:j]
 

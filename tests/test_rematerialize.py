@@ -6,12 +6,14 @@ import torch
 import torch.nn as nn
 
 import autorecompute
+from autorecompute.decisions import Action, Stashed
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import profile_step
 from autorecompute.passes.rewrite_recompute import rewrite_recompute
 from autorecompute.passes.rewrite_stash import rewrite_stash
-from autorecompute.planner import _decisions, clone_graph_module
+from autorecompute.memory_model import rewrite_of
+from autorecompute.passes.apply_plan import clone_graph_module
 from autorecompute.runtime.stash import StashedModule, StashRuntime
 from harness import assert_bitwise_equal, measured_step
 
@@ -39,8 +41,11 @@ def planned(model, x):
 
 
 def with_stash(gm, problem, stash, recipes=None, delivers=None):
-    rewritten = rewrite_recompute(clone_graph_module(gm), _decisions(problem, {}))
-    return StashedModule(rewrite_stash(rewritten, stash, {}, StashRuntime(), recipes, delivers))
+    """``stash``: tensor → action name; a rematerialization is prefetched from nowhere (event 0 is unused)."""
+    rewritten = rewrite_recompute(clone_graph_module(gm), rewrite_of(problem, {}).words)
+    stashed = {name: Stashed(Action.parse(action), 0, (recipes or {}).get(name, ()), (delivers or {}).get(name, ()))
+               for name, action in stash.items()}
+    return StashedModule(rewrite_stash(rewritten, stashed, StashRuntime()))
 
 
 def eager_then(module, model, x):
@@ -329,7 +334,7 @@ def test_a_random_op_is_priced_by_the_numbers_it_draws():
     """Dropout writes its mask and its output (2× its result) but draws one number per element of its
     result: the random-number speed applies to the result's bytes, the memory-bound speed to all it writes
     (pricing the mask as random too had doubled dropout's cost)."""
-    from autorecompute.passes.profile import node_info, step_profile
+    from autorecompute.passes.meta import node_info, step_profile
     from autorecompute.transfer import TransferModel
 
     x = torch.randn(32, 64)

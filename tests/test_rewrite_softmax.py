@@ -8,7 +8,8 @@ from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import profile_step
 from autorecompute.passes.rewrite_recompute import rewrite_recompute
 from autorecompute.passes.rewrite_softmax import rewrite_softmax, softmax_in_place_nodes
-from autorecompute.planner import _decisions, _region_starts, clone_graph_module
+from autorecompute.memory_model import rewrite_of
+from autorecompute.passes.apply_plan import clone_graph_module
 from autorecompute.runtime.softmax import softmax_backward_in_place
 from harness import assert_bitwise_equal, measured_step
 
@@ -38,8 +39,8 @@ def test_softmaxes_in_a_recomputed_region_switch_between_backwards_with_eager_gr
     recompute = {op: True for op in problem.recomputable}
     after = problem.chain[problem.chain.index("softmax") + 1]
     recompute[after] = NEW_REGION
-    module = rewrite_recompute(clone_graph_module(gm), _decisions(problem, recompute),
-                               _region_starts(problem, recompute))
+    module = rewrite_recompute(clone_graph_module(gm), rewrite_of(problem, recompute).words,
+                               rewrite_of(problem, recompute).region_starts)
     assert softmax_in_place_nodes(module) == ["softmax"]
     assert softmax_targets(module) == [softmax_backward_in_place]       # in the region's body
     eager = measured_step(model, model, args, {})

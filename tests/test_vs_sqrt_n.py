@@ -11,7 +11,8 @@ from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import profile_step
 from autorecompute.passes.rewrite_recompute import rewrite_recompute
-from autorecompute.planner import _decisions, clone_graph_module
+from autorecompute.memory_model import rewrite_of
+from autorecompute.passes.apply_plan import clone_graph_module
 from autorecompute.runtime.memory import run_step
 from autorecompute.solvers.segment_plans import sqrt_n_plan
 from conftest import SOLVER_TIME
@@ -87,7 +88,7 @@ def test_a_region_ending_in_a_4d_matmul_does_not_run_its_bmm_again():
     start = problem.chain.index(matmul) - 1             # the transpose before it, then the matmul
     recompute = {op: start <= i <= problem.chain.index(matmul) for i, op in enumerate(problem.chain)}
     assert extra_flops(problem, recompute) == 0
-    rewritten = rewrite_recompute(clone_graph_module(gm), _decisions(problem, recompute))
+    rewritten = rewrite_recompute(clone_graph_module(gm), rewrite_of(problem, recompute).words)
     case = models.Case("scores", model, (x,), {})
     assert step_flops(rewritten, case) == step_flops(model, case)
 
@@ -104,7 +105,7 @@ def test_fits_wherever_sqrt_n_over_articulation_points_fits():
     gm = capture(model, case.args, kwargs)
     profile_step(gm, case.args, kwargs)
     problem = build_problem(gm)
-    sqrt_n = rewrite_recompute(clone_graph_module(gm), _decisions(problem, sqrt_n_plan(problem)))
+    sqrt_n = rewrite_recompute(clone_graph_module(gm), rewrite_of(problem, sqrt_n_plan(problem)).words)
     sqrt_n_peak = measured_step(sqrt_n, model, case.args, kwargs, seed=1).peak
     eager = measured_step(model, model, case.args, kwargs, seed=1)
     compiled = autorecompute.compile(model, budget=sqrt_n_peak, actions=("recompute",), solver_time_limit=SOLVER_TIME)
@@ -138,7 +139,7 @@ def test_the_minimum_peak_plan_cuts_runs_into_regions_and_measures_what_it_says(
     gm = capture(model, case.args, case.kwargs)
     profile_step(gm, case.args, case.kwargs)
     problem = build_problem(gm)
-    sqrt_n = rewrite_recompute(clone_graph_module(gm), _decisions(problem, sqrt_n_plan(problem)))
+    sqrt_n = rewrite_recompute(clone_graph_module(gm), rewrite_of(problem, sqrt_n_plan(problem)).words)
     assert ours.peak <= 0.8 * measured_step(sqrt_n, model, case.args, case.kwargs).peak
 
 

@@ -34,11 +34,13 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autorecompute.decisions import Action, ActionKind
 from autorecompute.runtime.codecs import channel_dim, codec
 from autorecompute.runtime.tiers import HostTier, PinnedPool, SimulatedTier, Transfer, check_writable, disk_tier
 
 DEFAULT_PINNED_BYTES = 8 << 30   # pinned host memory the CUDA tier may hold before it falls back to disk
 DELIVERED = "delivered"          # the recipe of a tensor a later chain rematerialization makes again
+_OFFLOAD, _REMATERIALIZE = Action(ActionKind.OFFLOAD), Action(ActionKind.REMATERIALIZE)
 
 
 def _is_simulated(tensor: torch.Tensor) -> bool:
@@ -62,14 +64,14 @@ def _fills_its_storage(tensor: torch.Tensor) -> bool:
 class _Stash:
     """One stashed storage: its stored copy, and the restored tensor while backward needs it."""
 
-    def __init__(self, runtime: "StashRuntime", name: str, tensor: torch.Tensor, action: str, recipe=None):
+    def __init__(self, runtime: "StashRuntime", name: str, tensor: torch.Tensor, action: Action, recipe=None):
         storage = tensor.untyped_storage()
         self.key = storage._cdata
         self.name, self.action = name, action
-        # "compress:<dtype>" encodes in place on the device; "offload"/"offload:late" go to the device's tier;
-        # "rematerialize" stores nothing but the recipe (op, args, kwargs, rng state)
-        compressed = action.startswith("compress:")
-        self.codec = codec(action.split(":", 1)[1]) if compressed else None
+        # compress encodes in place on the device, as its variant's dtype; offload (either way) goes to the
+        # device's tier; rematerialize stores nothing but the recipe (op, args, kwargs, rng state)
+        compressed = action.kind is ActionKind.COMPRESS
+        self.codec = codec(action.variant) if compressed else None
         self.recipe = recipe
         self.tier = None if compressed or recipe is not None else runtime.tier(tensor)
         self.dtype, self.device = tensor.dtype, tensor.device
@@ -455,7 +457,7 @@ class StashRuntime(torch.nn.Module):
         return step
 
 
-def _register(runtime: StashRuntime, tensor: torch.Tensor, name: str, action: str, recipe=None,
+def _register(runtime: StashRuntime, tensor: torch.Tensor, name: str, action: Action, recipe=None,
               skip: bool = False) -> _Stash | None:
     """Ends the tensor's watch window and, unless ``skip``, registers its stash."""
     step = runtime.step()
@@ -489,12 +491,12 @@ def stash_hooks_off(runtime: StashRuntime, _after=None) -> None:
 
 def stash_offload(runtime: StashRuntime, tensor: torch.Tensor, name: str) -> _Stash | None:
     """Graph node: from here, what autograd saves of ``tensor`` is offloaded (device → host → disk)."""
-    return _register(runtime, tensor, name, "offload")
+    return _register(runtime, tensor, name, _OFFLOAD)
 
 
 def stash_compress(runtime: StashRuntime, tensor: torch.Tensor, name: str, dtype: str) -> _Stash | None:
     """Graph node (a cast): from here, what autograd saves of ``tensor`` is kept encoded as ``dtype``."""
-    return _register(runtime, tensor, name, f"compress:{dtype}")
+    return _register(runtime, tensor, name, Action(ActionKind.COMPRESS, dtype))
 
 
 def stash_rng_state(device: str) -> tuple:
@@ -523,7 +525,7 @@ def stash_rematerialize(runtime: StashRuntime, tensor: torch.Tensor, name: str, 
     # a dense tensor in any layout (channels-last) is made again in the same layout by the same op
     keep = isinstance(tensor, torch.Tensor) and not _fills_its_storage(tensor)
     if keep and not delivers:
-        return _register(runtime, tensor, name, "rematerialize", skip=True)
+        return _register(runtime, tensor, name, _REMATERIALIZE, skip=True)
     device_type = tensor.device.type if isinstance(tensor, torch.Tensor) else "cpu"
     # (a device autocast does not know — meta, when planning allocates nothing — is never under it)
     autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)) \
@@ -533,9 +535,9 @@ def stash_rematerialize(runtime: StashRuntime, tensor: torch.Tensor, name: str, 
     tensors += [a for a in kwargs.values() if isinstance(a, torch.Tensor)]
     versions = tuple((t, t._version) for t in tensors)
     recipe = (op, tuple(args), dict(kwargs), rng, autocast, versions)
-    stash = _register(runtime, tensor, name, "rematerialize", recipe, skip=keep)
+    stash = _register(runtime, tensor, name, _REMATERIALIZE, recipe, skip=keep)
     if keep and torch.is_grad_enabled():
-        stash = _Stash(runtime, name, tensor, "rematerialize", recipe)   # registered nowhere: makes the others only
+        stash = _Stash(runtime, name, tensor, _REMATERIALIZE, recipe)   # registered nowhere: makes the others only
     if stash is not None and delivers:
         stash.delivered = list(delivers)
         for made in delivers:
@@ -588,7 +590,7 @@ def stash_gradient(runtime: StashRuntime, param: torch.Tensor, name: str) -> Non
 def stash_delivered(runtime: StashRuntime, tensor: torch.Tensor, name: str) -> _Stash | None:
     """Graph node: from here, what autograd saves of ``tensor`` is made again in backward by the recipe of a
     later chain rematerialization (whose :func:`stash_rematerialize` node takes this handle)."""
-    return _register(runtime, tensor, name, "rematerialize", DELIVERED)
+    return _register(runtime, tensor, name, _REMATERIALIZE, DELIVERED)
 
 
 def stash_release(runtime: StashRuntime, handle: _Stash | None) -> None:
@@ -611,8 +613,9 @@ def stash_scope_begin(runtime: StashRuntime, *inputs: torch.Tensor) -> frozenset
 def stash_scope_end(runtime: StashRuntime, input_keys: frozenset[int], output, internal: tuple[str, ...],
                     actions: dict[str, str]) -> dict[str, _Stash]:
     """Graph node after that op: its saved tensors that are neither inputs nor outputs are, in the order
-    autograd saved them, the op's ``internal`` tensors (the profile's names); those in ``actions`` are
-    stashed at once, and an offloaded one leaves the device when its copy is written."""
+    autograd saved them, the op's ``internal`` tensors (the profile's names); those in ``actions`` (by action
+    name: what the graph's code prints) are stashed at once, and an offloaded one leaves the device when its
+    copy is written."""
     step = runtime.step()
     step.hooks_off()
     saves, step.scope = step.scope or [], None
@@ -633,7 +636,7 @@ def stash_scope_end(runtime: StashRuntime, input_keys: frozenset[int], output, i
         action = actions.get(name)
         if action is None:
             continue
-        stash = _Stash(runtime, name, refs[key][0].tensor, action)
+        stash = _Stash(runtime, name, refs[key][0].tensor, Action.parse(action))
         for ref in refs[key]:
             if ref.stash is None:
                 ref.attach(stash)

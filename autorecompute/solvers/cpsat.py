@@ -185,9 +185,11 @@ class Encoding:
         problem, model, fixed = self.problem, self.model, self.fixed
         self.r = {op: model.new_bool_var(f"recompute[{op}]") for op in problem.chain
                   if op in problem.recomputable and fixed.get(op, True)}
-        for op in self.r.keys() & fixed.keys():
-            # recomputed, as the hint has it (outside the window)
-            model.add(self.r[op] == 1)
+        for op in self.r:
+            if op in fixed:
+                # recomputed, as the hint has it (outside the window); in chain order, so that the model, and
+                # the plan, do not depend on the process's string hashing
+                model.add(self.r[op] == 1)
         self.runs = dict(self.r)
 
     def add_region_prefix(self) -> None:
