@@ -2,6 +2,8 @@
 tensor autograd holds for backward, and what each means."""
 from __future__ import annotations
 
+from autorecompute.decisions import Action
+
 ACTIONS = ("keep", "recompute", "rematerialize", "offload", "compress")
 
 # What happens to a tensor autograd holds for backward, in the words every view of a plan uses (summary,
@@ -23,8 +25,19 @@ _FATE_OF_ACTION = {"keep": "kept", "recompute": "recomputed", "rematerialize": "
 def fate(action: str) -> str:
     """The word for an action: ``fate("offload:late") == "offloaded"``, ``fate("compress:bfloat16") ==
     "compressed"``."""
-    return _FATE_OF_ACTION[action.split(":")[0]]
+    return _FATE_OF_ACTION[action if action in ("keep", "recompute") else Action.parse(action).kind.value]
 
 
 def plural(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def is_action(name: str) -> bool:
+    """Whether ``name`` is an action a plan takes: keep, recompute or a stash action with its variant."""
+    if name in ("keep", "recompute"):
+        return True
+    try:
+        Action.parse(name)
+    except ValueError:
+        return False
+    return True

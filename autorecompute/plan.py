@@ -16,8 +16,10 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from autorecompute.budget import format_bytes
-from autorecompute.decisions import Action, Op, Rewrite, Stashed
-from autorecompute.fates import ACTIONS, FATES, NOTHING_HELD, fate, plural  # noqa: F401 (the plan's words)
+from autorecompute.decisions import Action, ActionKind, Op, Rewrite, Stashed
+from autorecompute.fates import FATES, NOTHING_HELD, fate, plural
+
+__all__ = ["Plan", "StashRecord", "NodeRecord", "SCHEMA_VERSION", "FATES", "NOTHING_HELD", "fate", "tensor_bytes"]
 from autorecompute.problem import GRADIENT
 
 # 10: ``loss_reserve``; 9: ``softmax_in_place``; 8: ``extra_seconds``; 7: ``region_remakes``;
@@ -78,6 +80,11 @@ class StashRecord:
     recipe: tuple[str, ...] = ()
     delivers: tuple[str, ...] = ()
     delivered_by: str = ""
+
+    @property
+    def kind(self) -> ActionKind:
+        """Offload, compress or rematerialize (:class:`~autorecompute.decisions.Action` of ``action``)."""
+        return Action.parse(self.action).kind
 
     @property
     def saved_bytes(self) -> int:
@@ -191,7 +198,7 @@ class Plan:
         "compress", "compress:bfloat16", ...)."""
         if action in ("keep", "recompute"):
             return sum(1 for a in self.decisions.values() if a == action)
-        return sum(1 for r in self.stash.values() if r.action == action or r.action.split(":")[0] == action)
+        return sum(1 for r in self.stash.values() if r.action == action or r.kind.value == action)
 
     def action_of(self, op: str) -> str:
         """What happens to ``op``'s held outputs: "recompute", "keep", or their stash actions."""
@@ -297,7 +304,7 @@ class Plan:
     def rematerialize_flops(self) -> int:
         """Of :attr:`extra_flops`, those the rematerialized tensors' recipes run (the rest: recomputed regions)."""
         return sum(self.nodes[op].flops for record in self.stash.values()
-                   if record.action.startswith("rematerialize") for op in record.recipe if op in self.nodes)
+                   if record.kind is ActionKind.REMATERIALIZE for op in record.recipe if op in self.nodes)
 
     # ---- serialization -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -519,12 +526,12 @@ def _why(action: str, node: NodeRecord, held_at_peak: bool, stashed: list[StashR
 
 def _why_stashed(node: NodeRecord, stashed: list[StashRecord]) -> str:
     moved = sum(r.saved_bytes for r in stashed)
-    if all(r.action.startswith("offload") for r in stashed):
+    if all(r.kind is ActionKind.OFFLOAD for r in stashed):
         when = "prefetched before backward" if all(r.action == "offload" for r in stashed) \
             else "copied back when backward needs it"
         cheaper = f"; cheaper than recomputing {node.flops:.3g} FLOPs" if node.flops else ""
         return f"offloaded: {format_bytes(moved)} off the device, {when}{cheaper}"
-    if all(r.action.startswith("rematerialize") for r in stashed):
+    if all(r.kind is ActionKind.REMATERIALIZE for r in stashed):
         if all(r.delivered_by for r in stashed):
             return (f"rematerialized: {format_bytes(moved)} dropped after forward, made again by the recipe "
                     f"of {', '.join(sorted({r.delivered_by for r in stashed}))} when backward needs it")
@@ -535,6 +542,6 @@ def _why_stashed(node: NodeRecord, stashed: list[StashRecord]) -> str:
             else "held inputs"
         return (f"rematerialized: {format_bytes(moved)} dropped after forward, {how} run again on {inputs} "
                 f"when backward needs it" + (f" (making {', '.join(also)} again too)" if also else ""))
-    if all(r.action.startswith("compress") for r in stashed):
+    if all(r.kind is ActionKind.COMPRESS for r in stashed):
         return f"compressed: {format_bytes(moved)} off the device until backward ({stashed[0].expected_error})"
     return "; ".join(_why_stashed(node, [r]) for r in stashed)

@@ -23,16 +23,17 @@ import torch.fx
 from torch.utils._pytree import tree_map_only
 
 from autorecompute.budget import parse_budget, resolve_budget
+from autorecompute.decisions import Action
 from autorecompute.errors import InfeasibleBudgetError, user_stacklevel
 from autorecompute.memory_model import (extra_cost, extra_flops, held_at, memory_components, memory_timeline,
                                          predicted_peak, rewrite_of)
-from autorecompute.passes.build_problem import build_problem
+from autorecompute.passes.apply_plan import graph_module_of
 from autorecompute.passes.autocast import callers_autocast
+from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.meta import node_info, step_profile
 from autorecompute.passes.profile import profile_step
 from autorecompute.passes.rewrite_calls import rewrite_calls
-from autorecompute.passes.apply_plan import graph_module_of
 from autorecompute.passes.rewrite_softmax import rewrite_softmax, softmax_in_place_nodes
 from autorecompute.passes.verify import fake_step_memory, verify_plan
 from autorecompute.plan import NodeRecord, Plan, StashRecord
@@ -334,7 +335,8 @@ def _stash_records(gm: torch.fx.GraphModule, problem: Problem, stash: dict[str, 
                                         expected_error="exact", prefetch_event=option.restored_from - problem.num_forward)
             continue
         tensor = profile.tensors[name]
-        error = CODECS[action.split(":", 1)[1]].expected_error if action.startswith("compress:") else "exact"
+        dtype = Action.parse(action).compress_dtype
+        error = CODECS[dtype].expected_error if dtype else "exact"
         records[name] = StashRecord(action=action, owner=tensor.owner, nbytes=tensor.nbytes,
                                     stored_bytes=option.stored_bytes, shape=tuple(tensor.shape), dtype=tensor.dtype,
                                     expected_error=error,

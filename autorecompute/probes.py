@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from autorecompute.decisions import ActionKind
 from autorecompute.runtime.tiers import DiskTier
 
 # the transfer probe: a chain of small tensors (bytes cost next to nothing, the hooks and nodes all)
@@ -89,7 +90,7 @@ def transfer_seconds(directory: str | None, write_bytes_per_second: float,
     keeping = api.compile(model, budget=1.0, **options)
     medians = _paired_medians({"offloading": _training_step(offloading, x),
                                "keeping": _training_step(keeping, x)}, repeats=60)
-    records = [r for r in offloading.plan.stash.values() if r.action.startswith("offload")]
+    records = [r for r in offloading.plan.stash.values() if r.kind is ActionKind.OFFLOAD]
     if not records:
         return None
     moved = sum(r.nbytes for r in records)

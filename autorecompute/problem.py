@@ -67,7 +67,9 @@ class StashOption:
     ``needs_kept`` are kept and the activations in ``needs_unstashed`` are not stashed.
 
     Attributes:
-        action: ``"offload"``, ``"offload:late"`` (no prefetch), ``"compress:<dtype>"``,
+        action: the name of an :class:`~autorecompute.decisions.Action` (the problem is names and integers;
+            the solvers compare names and never parse them, ``Action.parse`` does where a kind is needed):
+            ``"offload"``, ``"offload:late"`` (no prefetch), ``"compress:<dtype>"``,
             ``"rematerialize"`` (dropped after forward, recomputed by its op from held inputs when backward
             first needs it), ``"rematerialize:through"`` (the same from the model's inputs and parameters,
             making the saved tensors on the way again as temporaries), or ``"rematerialize:chain"`` (the

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from autorecompute.budget import format_bytes
-from autorecompute.fates import ACTIONS, NOTHING_HELD, fate, plural
+from autorecompute.fates import NOTHING_HELD, fate, is_action, plural
 from autorecompute.report import FATE_COLORS
 from autorecompute.report_fold import Fold, Position, fate_label, index_ranges, shows
 
@@ -28,7 +28,7 @@ def chip(label: str, word: str, title: str = "", extra: str = "") -> str:
     word)."""
     first = word.split(" + ")[0]
     if first not in FATE_COLORS:
-        first = fate(first) if first.split(":")[0] in ACTIONS else NOTHING_HELD
+        first = fate(first) if is_action(first) else NOTHING_HELD
     return (f"<span class='chip {extra}' style='background:{FATE_COLORS[first]}'"
             + (f" title='{html.escape(title, quote=True)}'" if title else "") + f">{html.escape(label)}</span>")
 
