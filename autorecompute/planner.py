@@ -27,7 +27,8 @@ from autorecompute.decisions import Action
 from autorecompute.errors import InfeasibleBudgetError, user_stacklevel
 from autorecompute.memory_model import (extra_cost, extra_flops, held_at, memory_components, memory_timeline,
                                          predicted_peak, rewrite_of)
-from autorecompute.passes.apply_plan import graph_module_of
+from autorecompute import plan_cache
+from autorecompute.passes.apply_plan import apply_plan, graph_module_of
 from autorecompute.passes.autocast import callers_autocast
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
@@ -203,6 +204,14 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     log.debug("capture: %.2f s, %d nodes", time.perf_counter() - started, len(gm.graph.nodes))
     t = time.perf_counter()
     profile = profile_step(gm, args, kwargs, options.loss_reserve)
+    key = _cache_key(gm, signature, budget, options, args, kwargs)
+    cached = plan_cache.load(key) if key else None
+    if cached is not None and cached.resident == dict(profile.resident) and cached.loss_reserve == profile.loss_reserve:
+        # (a step that holds more besides the plan — optimizer state made since, other tensors on the device —
+        # is planned again)
+        runtime = StashRuntime(options.offload_dir) if cached.stash else None
+        log.info("plan for %s loaded from the plan cache (%s)", signature, plan_cache.cache_dir())
+        return Planned(plan=cached, module=apply_plan(gm, cached.rewrite, runtime))
     transfer, speeds = _speeds(options, _device_type(args, kwargs))
     problem = _build(gm, options, transfer, speeds)
     log.debug("profile + problem: %.2f s, %d ops in chain, %d recomputable, %d activations, %d stashable",
@@ -238,10 +247,25 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
         extra_seconds=transfer.compute_seconds(extra_cost(
             problem if speeds is transfer else _build(gm, options, transfer, transfer), recompute, stash)))
     log.debug("plan: %s", plan.summary())
+    if key:
+        plan_cache.store(key, plan)
     # last, on the module that runs: each op called through eager's own binding where that dispatches the same
     # ops (the same kernels and allocations as verified; a microsecond less per call)
     rewrite_calls(graph_module_of(found.module))
     return Planned(plan=plan, module=found.module)
+
+
+def _cache_key(gm: torch.fx.GraphModule, signature: str, budget, options: PlannerOptions, args: tuple,
+               kwargs: dict) -> str | None:
+    """The plan cache's key for this step, or None where plans are not cached: the cache off, or a search
+    with its strategies replaced."""
+    if options.strategies != Strategies() or plan_cache.cache_dir() is None:
+        return None
+    searched = {"actions": options.actions, "solver_time_limit": options.solver_time_limit, "seed": options.seed,
+                "compress_dtypes": options.compress_dtypes, "objective": options.objective,
+                "loss_reserve": options.loss_reserve, "transfer": repr(options.transfer),
+                "autocast": repr(callers_autocast()), "distributed": distributed()}
+    return plan_cache.plan_key(gm, signature, budget, searched, _device_type(args, kwargs))
 
 
 def _warn_of_autocast_on_meta(args: tuple, kwargs: dict, entered: list) -> None:

@@ -31,6 +31,7 @@ import traceback
 import warnings
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+os.environ.setdefault("AUTORECOMPUTE_CACHE", "off")   # benchmarks time and compare planning itself
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402

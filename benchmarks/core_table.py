@@ -6,6 +6,7 @@ import copy
 import os
 import sys
 
+os.environ.setdefault("AUTORECOMPUTE_CACHE", "off")   # benchmarks time and compare planning itself
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import autorecompute  # noqa: E402

@@ -26,6 +26,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("AUTORECOMPUTE_CACHE", "off")   # benchmarks time and compare planning itself
 sys.path.insert(0, str(ROOT / "tests"))
 
 import autorecompute  # noqa: E402
