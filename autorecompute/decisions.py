@@ -1,6 +1,6 @@
 """Typed decisions: what the search decides per op and per activation, and what the rewrite needs of them.
 
-Three layers of one vocabulary:
+One vocabulary, from the search to the rewrite:
 
 * :class:`Op` — the decision for a recomputable op: kept, recomputed in the current region, recomputed
   beginning a region of its own (:attr:`Op.NEW_REGION`), or beginning a region that makes its inputs from the
@@ -9,29 +9,32 @@ Three layers of one vocabulary:
 * :class:`Action` — what is done with an activation autograd holds, other than keeping it: offload, compress or
   rematerialize, with its variant (``offload:late``, ``compress:bfloat16``, ``rematerialize:chain``). ``str()``
   gives the name plans and JSON use.
-* :class:`Decisions` — one plan of the search (ops and stash choices), frozen, with its regions computed once;
-  :class:`Rewrite` — what the rewrite passes need to carry a plan out (from a :class:`~autorecompute.plan.Plan`
-  via ``plan.rewrite``, or from a problem and its decisions), so a saved plan applies without solving.
+* :class:`Rewrite` — a plan's decisions, frozen, as the rewrite passes carry them out: an Op per op with its
+  region cuts as they take effect, how each stashed activation is stashed (:class:`Stashed`), the softmaxes
+  kept in place. From a :class:`~autorecompute.plan.Plan` (``plan.rewrite``) or from the search's maps
+  (:func:`autorecompute.memory_model.rewrite_of`), so a saved plan applies without solving.
+* :class:`Move` — a change the local searches try, typed by :class:`MoveKind`.
+
+The searches themselves work on mutable maps ``(recompute, stash)`` — op → Op (or ``True``/``False``),
+activation → action name — which the memory model reads and the local searches change in place; a Rewrite is
+made of the one they settle on.
 
 Example:
 
-    >>> from autorecompute.decisions import Action, Decisions, Op
+    >>> from autorecompute.decisions import Action, Op, Rewrite
     >>> Action.parse("compress:bfloat16")
     Action(kind=<ActionKind.COMPRESS: 'compress'>, variant='bfloat16')
     >>> str(Action.parse("rematerialize:chain")), bool(Op.KEEP), bool(Op.REMAKE)
     ('rematerialize:chain', False, True)
-    >>> chain = ("fc1", "act", "fc2", "out")
-    >>> plan = Decisions.of(chain, {"fc1": Op.RECOMPUTE, "act": Op.RECOMPUTE, "fc2": Op.NEW_REGION})
-    >>> plan.regions
-    (('fc1', 'act'), ('fc2',))
+    >>> plan = Rewrite({"fc1": Op.RECOMPUTE, "act": Op.RECOMPUTE, "fc2": Op.NEW_REGION, "out": Op.KEEP})
+    >>> plan.words, plan.region_starts
+    ({'fc1': 'recompute', 'act': 'recompute', 'fc2': 'recompute', 'out': 'keep'}, ('fc2',))
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from functools import cached_property
-from types import MappingProxyType
-from typing import Hashable, Iterable, Mapping, NamedTuple
+from typing import Hashable, Mapping, NamedTuple
 
 
 class Op(enum.IntEnum):
@@ -103,40 +106,6 @@ class Action:
     def exact(self) -> bool:
         """Whether the tensor backward gets is the one forward made, bit for bit."""
         return self.kind is not ActionKind.COMPRESS
-
-
-@dataclass(frozen=True)
-class Decisions:
-    """One plan of the search: an :class:`Op` for every op of the chain, in chain order (kept where it cannot
-    be recomputed), and an :class:`Action` per stashed activation. Its regions — maximal runs of recomputed
-    ops, cut before an op that starts a region — are computed once."""
-
-    ops: Mapping[str, Op]
-    stash: Mapping[str, Action] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, chain: Iterable[str], ops: Mapping[str, bool | Op],
-           stash: Mapping[str, str | Action] | None = None) -> Decisions:
-        """Decisions from the search's maps (values ``True``/``False`` or Ops; actions or their names)."""
-        return cls(MappingProxyType({op: Op.of(ops.get(op, Op.KEEP)) for op in chain}),
-                   MappingProxyType({name: Action.parse(a) for name, a in (stash or {}).items()}))
-
-    @cached_property
-    def regions(self) -> tuple[tuple[str, ...], ...]:
-        """The recomputed regions, each its ops in chain order."""
-        regions: list[list[str]] = []
-        previous = Op.KEEP
-        for op, decision in self.ops.items():
-            if decision and (not previous or decision.starts_region):
-                regions.append([])
-            if decision:
-                regions[-1].append(op)
-            previous = decision
-        return tuple(tuple(region) for region in regions)
-
-    @property
-    def recomputed(self) -> frozenset[str]:
-        return frozenset(op for op, decision in self.ops.items() if decision)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_map_only
 
-from autorecompute.budget import parse_budget, resolve_budget
+from autorecompute.budget import format_bytes, parse_budget, resolve_budget
 from autorecompute.decisions import Action
 from autorecompute.errors import InfeasibleBudgetError, user_stacklevel
 from autorecompute.memory_model import (extra_cost, extra_flops, held_at, memory_components, memory_timeline,
@@ -43,7 +43,7 @@ from autorecompute.runtime.codecs import CODECS
 from autorecompute.runtime.memory import AUTO
 from autorecompute.runtime.stash import StashRuntime, distributed
 from autorecompute.runtime.tiers import check_writable
-from autorecompute.search import Search, SearchPlan as Decisions, Strategies
+from autorecompute.search import Search, SearchPlan, Strategies
 from autorecompute.throughputs import TransferModel, counting_flops, default_for
 
 log = logging.getLogger("autorecompute")
@@ -201,7 +201,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     _warn_of_autocast_on_meta(args, kwargs, entered)
     parsed = parse_budget(budget)
     gm = capture(model, args, kwargs)
-    log.debug("capture: %.2f s, %d nodes", time.perf_counter() - started, len(gm.graph.nodes))
+    log.info("capture: %d nodes, %.2f s", len(gm.graph.nodes), time.perf_counter() - started)
     t = time.perf_counter()
     profile = profile_step(gm, args, kwargs, options.loss_reserve)
     key = _cache_key(gm, signature, budget, options, args, kwargs)
@@ -214,7 +214,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
         return Planned(plan=cached, module=apply_plan(gm, cached.rewrite, runtime))
     transfer, speeds = _speeds(options, _device_type(args, kwargs))
     problem = _build(gm, options, transfer, speeds)
-    log.debug("profile + problem: %.2f s, %d ops in chain, %d recomputable, %d activations, %d stashable",
+    log.info("profile + problem: %.2f s, %d ops in chain, %d recomputable, %d activations, %d stashable",
               time.perf_counter() - t, len(problem.chain), len(problem.recomputable), len(problem.activations),
               len(problem.stash_options))
     reserve = profile.loss_reserve
@@ -246,6 +246,9 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
         at_peak=_at_peak(problem, recompute, stash), stash=_stash_records(gm, problem, stash),
         extra_seconds=transfer.compute_seconds(extra_cost(
             problem if speeds is transfer else _build(gm, options, transfer, transfer), recompute, stash)))
+    log.info("plan: %s predicted under %s (unoptimized %s), +%.1f%% FLOPs, %s; %.2f s", format_bytes(peak),
+             format_bytes(budget_bytes), format_bytes(baseline_peak), 100 * plan.extra_flops_ratio, found.status,
+             plan.plan_time)
     log.debug("plan: %s", plan.summary())
     if key:
         plan_cache.store(key, plan)
@@ -301,7 +304,7 @@ def _verifier(gm: torch.fx.GraphModule, problem: Problem, runtime: StashRuntime 
     softmax capture wrote in place left so (as the profile counts them)."""
     captured = tuple(softmax_in_place_nodes(gm))
 
-    def verify(decisions: Decisions) -> tuple[torch.nn.Module, int]:
+    def verify(decisions: SearchPlan) -> tuple[torch.nn.Module, int]:
         return verify_plan(gm, rewrite_of(problem, *decisions, captured), runtime, args, kwargs, reserve)
     return verify
 

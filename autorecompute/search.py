@@ -21,13 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from autorecompute.budget import format_bytes
 from autorecompute.memory_model import effective_stash, extra_cost, predicted_peak
 from autorecompute.problem import Problem
 from autorecompute.solvers import cpsat, greedy
 
 log = logging.getLogger("autorecompute")
 
-SearchPlan = greedy.Decisions      # (op → Op or bool, activation → stash action)
+SearchPlan = greedy.SearchPlan      # (op → Op or bool, activation → stash action)
 MAX_TIGHTENINGS = 4
 NEAR_MINIMUM = 1.15   # budgets below this multiple of the heuristic minimum get a CP-SAT minimum-peak solve
 # the minimum-peak local search's work per second of solver time (greedy.lower_peak: evaluations × problem
@@ -262,7 +263,8 @@ class Search:
         if best is not hint:
             module, peak = self.verify(best)
         model_peak = predicted_peak(problem, *best)
-        log.debug("cost solve under %d: %s, model peak %d, verified %d", internal, status, model_peak, peak)
+        log.info("cost solve under %s: %s, %s in the model, %s measured (%.1f s so far)", format_bytes(internal),
+                 status, format_bytes(model_peak), format_bytes(peak), self.solve_time)
         if model_peak < self.lowest.peak:
             # below the minimum-peak solve's best: the lowest plan known now (verified: it was just measured)
             self._replace_lowest(best, model_peak, "feasible", self.lowest.gap, verified=True)
@@ -304,8 +306,8 @@ class Search:
             # the minimum matters only when the budget is close to it (or below it: then the same searches as at
             # any budget under the minimum, so a minimum an error names, given as the budget, finds its plan)
             self.lower_minimum(self.time_limit / 4)
-        log.debug("minimum peak (model) %d, %s in %.2f s", self.lowest.peak, self.lowest.status,
-                  time.perf_counter() - started)
+        log.info("minimum peak %s in the model (%s), %.2f s", format_bytes(self.lowest.peak), self.lowest.status,
+                 time.perf_counter() - started)
         if self.budget >= self.baseline:
             return Found(self.keep_all, self.unplanned, self.baseline, "trivial", 0.0)
         found, internal = self.cheapest_fitting(self.budget)

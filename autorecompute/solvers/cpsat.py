@@ -31,6 +31,7 @@ DTIME_PER_SECOND = 0.12   # CP-SAT deterministic time per wall second, measured 
 # optimal within the limit, so they stay; least-peak solves keep them everywhere (the peak's bound is tight).
 LP_SUBSOLVERS = ("default_lp", "max_lp", "reduced_costs", "pseudo_costs", "core", "quick_restart")
 LP_UP_TO = 100
+ONE_WORKER_UP_TO = 16     # chains this short are solved by one worker (see _solver)
 
 _STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible",
            cp_model.MODEL_INVALID: "invalid", cp_model.UNKNOWN: "unknown"}
@@ -583,7 +584,9 @@ def _solver(minimize: str, chain_length: int, *, time_limit: float, seed: int, w
     solver.parameters.max_deterministic_time = time_limit * DTIME_PER_SECOND
     solver.parameters.max_time_in_seconds = 4 * time_limit + 30
     solver.parameters.random_seed = seed
-    solver.parameters.num_workers = workers
+    # a chain this short is solved to optimality by one worker in milliseconds; a second, interleaved, only adds
+    # the core-based subsolver, which can spend seconds of wall time on a few units of deterministic time there
+    solver.parameters.num_workers = 1 if chain_length <= ONE_WORKER_UP_TO else workers
     solver.parameters.interleave_search = True
     if minimize == "cost" and chain_length > LP_UP_TO:
         solver.parameters.ignore_subsolvers.extend(LP_SUBSOLVERS)
@@ -652,7 +655,7 @@ def _without_flops(problem: Problem) -> Problem | None:
 
 
 def _stages(problem: Problem, time_limit: float, minimize: str, budget: int | None,
-            zero_flops_first: bool) -> tuple[list[tuple[Problem, float]], Problem | None, greedy.Decisions | None]:
+            zero_flops_first: bool) -> tuple[list[tuple[Problem, float]], Problem | None, greedy.SearchPlan | None]:
     """The stages of :func:`solve_in_stages` — (model, seconds), 1.5× the limit at most — with the zero-FLOP
     model and its start (None, None when there is no such stage)."""
     plain = {name: tuple(o for o in options if not o.delivers) for name, options in problem.stash_options.items()}
@@ -674,7 +677,7 @@ def _stages(problem: Problem, time_limit: float, minimize: str, budget: int | No
     return stages, no_flops, zero_start
 
 
-def _stage_score(problem: Problem, minimize: str, budget: int | None, decisions: greedy.Decisions) -> tuple:
+def _stage_score(problem: Problem, minimize: str, budget: int | None, decisions: greedy.SearchPlan) -> tuple:
     """A plan's rank under the full model (lower is better): peak then cost, or over the budget then cost."""
     recompute, stash = decisions[0], effective_stash(problem, decisions[0], decisions[1])
     peak = predicted_peak(problem, recompute, stash)
@@ -683,8 +686,8 @@ def _stage_score(problem: Problem, minimize: str, budget: int | None, decisions:
     return peak > budget, extra_cost(problem, recompute, stash)
 
 
-def _stage_start(stage: Problem, start: greedy.Decisions | None, minimize: str,
-                 budget: int | None) -> greedy.Decisions | None:
+def _stage_start(stage: Problem, start: greedy.SearchPlan | None, minimize: str,
+                 budget: int | None) -> greedy.SearchPlan | None:
     """``start``, or the heuristic's plan where ``start`` has chains the stage's model lacks: without them it
     holds what they delivered, a poor start."""
     if start is not None and any(stage.stash_option(n, a) is None for n, a in start[1].items()):
@@ -693,7 +696,7 @@ def _stage_start(stage: Problem, start: greedy.Decisions | None, minimize: str,
     return start
 
 
-def _in_full_terms(problem: Problem, best: greedy.Decisions, found: SolverResult, full: SolverResult | None,
+def _in_full_terms(problem: Problem, best: greedy.SearchPlan, found: SolverResult, full: SolverResult | None,
                    minimize: str, budget: int | None, wall: float) -> SolverResult:
     """``best`` as ``found``'s result, its status, objective, bound and gap in the full model's terms (an easier
     model's bound bounds its own cost, not the full model's)."""
@@ -815,9 +818,9 @@ def block_windows(problem: Problem, width: int = WINDOW_OPS) -> list[frozenset[s
     return windows
 
 
-def solve_in_windows(problem: Problem, start: greedy.Decisions, *, budget: int | None = None,
+def solve_in_windows(problem: Problem, start: greedy.SearchPlan, *, budget: int | None = None,
                      minimize: str = "cost", time_limit: float = 5.0, seed: int = 0,
-                     width: int = WINDOW_OPS, windows: list[frozenset[str]] | None = None) -> greedy.Decisions:
+                     width: int = WINDOW_OPS, windows: list[frozenset[str]] | None = None) -> greedy.SearchPlan:
     """CP-SAT over windows of the chain, the rest of the plan fixed: a large-neighbourhood search for chains
     whose whole model CP-SAT cannot solve in the limit.
 
@@ -867,15 +870,15 @@ def solve_in_windows(problem: Problem, start: greedy.Decisions, *, budget: int |
     return best
 
 
-def _window_score(problem: Problem, minimize: str, budget: int | None, decisions: greedy.Decisions) -> tuple:
+def _window_score(problem: Problem, minimize: str, budget: int | None, decisions: greedy.SearchPlan) -> tuple:
     """A plan's rank in :func:`solve_in_windows` (lower is better): peak then cost, or over the budget then cost
     (``decisions``' stash choices are the effective ones)."""
     peak, cost = predicted_peak(problem, *decisions), extra_cost(problem, *decisions)
     return (peak, cost) if minimize == "peak" else (peak > budget, cost)
 
 
-def _solve_window(problem: Problem, window: frozenset[str], best: greedy.Decisions, *, budget: int | None,
-                  minimize: str, seed: int) -> greedy.Decisions | None:
+def _solve_window(problem: Problem, window: frozenset[str], best: greedy.SearchPlan, *, budget: int | None,
+                  minimize: str, seed: int) -> greedy.SearchPlan | None:
     """:func:`solve` over ``window`` from ``best``: its plan with the stash choices that take effect, or None."""
     result = solve(problem, budget=budget, minimize=minimize, time_limit=WINDOW_SECONDS, seed=seed,
                    hint=best[0], hint_stash=best[1], window=window)

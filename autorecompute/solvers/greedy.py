@@ -18,7 +18,7 @@ from autorecompute.memory_model import (NEW_REGION, REMAKE, effective_stash, ext
                                          predicted_peak, rerun_ops)
 from autorecompute.problem import Problem
 
-Decisions = tuple[dict[str, bool], dict[str, str]]
+SearchPlan = tuple[dict[str, Op | bool], dict[str, str]]    # (op → decision, activation → stash action name)
 
 
 def segment_plan(problem: Problem, segments: int) -> dict[str, bool]:
@@ -128,7 +128,7 @@ def span_plans(problem: Problem, max_cuts: int = 24, max_segments: int = 3) -> l
     return plans
 
 
-def candidates(problem: Problem, max_segments: int = 64) -> list[Decisions]:
+def candidates(problem: Problem, max_segments: int = 64) -> list[SearchPlan]:
     keep_all = {op: False for op in problem.recomputable}
     n = max(1, min(max_segments, len(problem.recomputable)))
     plans = [keep_all] + [segment_plan(problem, k) for k in range(1, n + 1)]
@@ -142,18 +142,18 @@ def candidates(problem: Problem, max_segments: int = 64) -> list[Decisions]:
     return [(r, {}) for r in plans + span_plans(problem)] + [(r, s) for r, s in with_stash if s]
 
 
-def scored_candidates(problem: Problem) -> list[tuple[Decisions, int, int]]:
+def scored_candidates(problem: Problem) -> list[tuple[SearchPlan, int, int]]:
     """``(plan, predicted peak, cost)`` of every candidate, computed once per problem."""
     return problem.derived("greedy.scored_candidates", lambda: [
         ((r, s), predicted_peak(problem, r, s), extra_cost(problem, r, s)) for r, s in candidates(problem)])
 
 
-def lowest_peak(problem: Problem) -> Decisions:
+def lowest_peak(problem: Problem) -> SearchPlan:
     """The candidate with the lowest predicted peak (then least cost)."""
     return min(scored_candidates(problem), key=lambda s: (s[1], s[2]))[0]
 
 
-def lowest_start(problem: Problem) -> Decisions:
+def lowest_start(problem: Problem) -> SearchPlan:
     """The minimum-peak search's start: :func:`lowest_peak`, naive √N over articulation points
     (:func:`segment_plans.sqrt_n_plan`, every number of checkpoints) or per-block checkpointing
     (:func:`segment_plans.per_block_plan`), whichever is lowest in the model (ties: the segment plan). A checkpoint
@@ -173,8 +173,8 @@ def lowest_start(problem: Problem) -> Decisions:
                key=lambda d: (predicted_peak(problem, *d), extra_cost(problem, *d)))
 
 
-def lower_peak(problem: Problem, start: Decisions, work: int = 8_000_000, near: int = 4096,
-               seed: int = 0) -> Decisions:
+def lower_peak(problem: Problem, start: SearchPlan, work: int = 8_000_000, near: int = 4096,
+               seed: int = 0) -> SearchPlan:
     """Local search for a lower peak from ``start``: one decision changed at a time (an op recomputed or
     kept, an activation's stash action set or dropped), each change kept when it lowers the peak — or,
     at the same peak, the number of positions within ``near`` bytes of it, so that a flat top can be taken
@@ -308,13 +308,13 @@ def _set(table: dict, name: str, value) -> None:
         table[name] = value
 
 
-def cheapest_under(problem: Problem, budget: int) -> Decisions | None:
+def cheapest_under(problem: Problem, budget: int) -> SearchPlan | None:
     """The cheapest candidate whose predicted peak fits ``budget``, or None."""
     fitting = [s for s in scored_candidates(problem) if s[1] <= budget]
     return min(fitting, key=lambda s: s[2])[0] if fitting else None
 
 
-def descend(problem: Problem, budget: int, start: Decisions, max_tries: int = 160) -> Decisions:
+def descend(problem: Problem, budget: int, start: SearchPlan, max_tries: int = 160) -> SearchPlan:
     """Local search from a plan that fits: un-recompute ops and un-stash activations, most expensive first,
     while the plan fits.
 
@@ -336,8 +336,8 @@ def descend(problem: Problem, budget: int, start: Decisions, max_tries: int = 16
     return recompute, effective_stash(problem, recompute, stash)
 
 
-def lower_cost(problem: Problem, budget: int, start: Decisions, work: int = 2_000_000,
-               window: int = KICK_WINDOW) -> Decisions:
+def lower_cost(problem: Problem, budget: int, start: SearchPlan, work: int = 2_000_000,
+               window: int = KICK_WINDOW) -> SearchPlan:
     """Local search for a cheaper plan under ``budget`` from one that fits: each op run again at a cost, the
     dearest first, kept — alone where the plan still fits (as :func:`descend` does), or with one change near
     where keeping it goes over the budget (an op toggled, a region cut placed or moved, a stash action set
@@ -471,7 +471,7 @@ def _apply(recompute: dict, stash: dict, kind: MoveKind, name, value) -> Callabl
     return lambda: _set(table, name, previous)
 
 
-def best_under(problem: Problem, budget: int, work: int = 400_000) -> Decisions | None:
+def best_under(problem: Problem, budget: int, work: int = 400_000) -> SearchPlan | None:
     """Multi-start local search: :func:`descend` from the cheapest fitting candidates — as many starts
     as ``work`` allows (evaluations × problem size: a count, not a clock, so the result is reproducible)
     — and the cheapest result. None when no candidate fits."""
@@ -488,7 +488,7 @@ def best_under(problem: Problem, budget: int, work: int = 400_000) -> Decisions 
     return best
 
 
-def few_candidates_under(problem: Problem, budget: int) -> Decisions | None:
+def few_candidates_under(problem: Problem, budget: int) -> SearchPlan | None:
     """The cheapest of a few plans after :func:`descend`: nothing or everything recomputed, each with the
     held activations stashed by chains first (:func:`stash_chains`) or each its least-memory way; None when
     none fits. A cheap start on a restricted problem (only the ops without FLOPs recomputable), where scoring
