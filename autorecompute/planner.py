@@ -23,7 +23,7 @@ import torch.fx
 from torch.utils._pytree import tree_map_only
 
 from autorecompute.budget import format_bytes, parse_budget, resolve_budget
-from autorecompute.decisions import Action
+from autorecompute.decisions import Rewrite
 from autorecompute.errors import InfeasibleBudgetError, user_stacklevel
 from autorecompute.memory_model import (extra_cost, extra_flops, held_at, memory_components, memory_timeline,
                                          predicted_peak, rewrite_of)
@@ -204,7 +204,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     log.info("capture: %d nodes, %.2f s", len(gm.graph.nodes), time.perf_counter() - started)
     t = time.perf_counter()
     profile = profile_step(gm, args, kwargs, options.loss_reserve)
-    key = _cache_key(gm, signature, budget, options, args, kwargs)
+    key = _cache_key(gm, signature, budget, options, entered, _device_type(args, kwargs))
     cached = plan_cache.load(key) if key else None
     if cached is not None and cached.resident == dict(profile.resident) and cached.loss_reserve == profile.loss_reserve:
         # (a step that holds more besides the plan — optimizer state made since, other tensors on the device —
@@ -243,7 +243,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
         resident=dict(profile.resident), nodes=_node_records(gm, problem), model_name=type(model).__name__,
         signature=signature, edges=_edges(gm, problem),
         timeline=_timeline(problem, recompute, stash, profile.resident_bytes), num_forward=problem.num_forward,
-        at_peak=_at_peak(problem, recompute, stash), stash=_stash_records(gm, problem, stash),
+        at_peak=_at_peak(problem, recompute, stash), stash=_stash_records(gm, problem, rewrite),
         extra_seconds=transfer.compute_seconds(extra_cost(
             problem if speeds is transfer else _build(gm, options, transfer, transfer), recompute, stash)))
     log.info("plan: %s predicted under %s (unoptimized %s), +%.1f%% FLOPs, %s; %.2f s", format_bytes(peak),
@@ -258,8 +258,8 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     return Planned(plan=plan, module=found.module)
 
 
-def _cache_key(gm: torch.fx.GraphModule, signature: str, budget, options: PlannerOptions, args: tuple,
-               kwargs: dict) -> str | None:
+def _cache_key(gm: torch.fx.GraphModule, signature: str, budget, options: PlannerOptions, autocast: list,
+               device_type: str) -> str | None:
     """The plan cache's key for this step, or None where plans are not cached: the cache off, or a search
     with its strategies replaced."""
     if options.strategies != Strategies() or plan_cache.cache_dir() is None:
@@ -267,8 +267,8 @@ def _cache_key(gm: torch.fx.GraphModule, signature: str, budget, options: Planne
     searched = {"actions": options.actions, "solver_time_limit": options.solver_time_limit, "seed": options.seed,
                 "compress_dtypes": options.compress_dtypes, "objective": options.objective,
                 "loss_reserve": options.loss_reserve, "transfer": repr(options.transfer),
-                "autocast": repr(callers_autocast()), "distributed": distributed()}
-    return plan_cache.plan_key(gm, signature, budget, searched, _device_type(args, kwargs))
+                "autocast": repr(autocast), "distributed": distributed()}
+    return plan_cache.plan_key(gm, signature, budget, searched, device_type)
 
 
 def _warn_of_autocast_on_meta(args: tuple, kwargs: dict, entered: list) -> None:
@@ -350,31 +350,30 @@ def _build(gm: torch.fx.GraphModule, options: PlannerOptions, transfer, speeds) 
                          compress_dtypes=options.dtypes, device=speeds, offload_gradients=not distributed())
 
 
-def _stash_records(gm: torch.fx.GraphModule, problem: Problem, stash: dict[str, str]) -> dict[str, StashRecord]:
+def _stash_records(gm: torch.fx.GraphModule, problem: Problem, rewrite: Rewrite) -> dict[str, StashRecord]:
+    """The Plan's record of each stashed tensor: what ``rewrite`` carries out, with the tensor's sizes."""
     profile = step_profile(gm)
     records = {}
-    for name, action in stash.items():
-        option = problem.stash_option(name, action)
+    for name, stashed in rewrite.stash.items():
+        action, prefetch = str(stashed.action), stashed.prefetch_event
         if name.startswith(GRADIENT):
             param = gm.get_parameter(name[len(GRADIENT):])
             records[name] = StashRecord(action=action, owner=name, nbytes=param.numel() * param.element_size(),
                                         stored_bytes=0, shape=tuple(param.shape), dtype=str(param.dtype).split(".")[-1],
-                                        expected_error="exact", prefetch_event=option.restored_from - problem.num_forward)
+                                        expected_error="exact", prefetch_event=prefetch)
             continue
         tensor = profile.tensors[name]
-        dtype = Action.parse(action).compress_dtype
-        error = CODECS[dtype].expected_error if dtype else "exact"
+        dtype = stashed.action.compress_dtype
         records[name] = StashRecord(action=action, owner=tensor.owner, nbytes=tensor.nbytes,
-                                    stored_bytes=option.stored_bytes, shape=tuple(tensor.shape), dtype=tensor.dtype,
-                                    expected_error=error,
-                                    prefetch_event=option.restored_from - problem.num_forward,
-                                    recipe=option.recipe, delivers=option.delivers)
-        for other in option.delivers:     # made again by this recipe, on its way
+                                    stored_bytes=problem.stash_option(name, action).stored_bytes,
+                                    shape=tuple(tensor.shape), dtype=tensor.dtype,
+                                    expected_error=CODECS[dtype].expected_error if dtype else "exact",
+                                    prefetch_event=prefetch, recipe=stashed.recipe, delivers=stashed.delivers)
+        for other in stashed.delivers:     # made again by this recipe, on its way
             made = profile.tensors[other]
             records[other] = StashRecord(action=action, owner=made.owner, nbytes=made.nbytes, stored_bytes=0,
                                          shape=tuple(made.shape), dtype=made.dtype, expected_error="exact",
-                                         prefetch_event=option.restored_from - problem.num_forward,
-                                         delivered_by=name)
+                                         prefetch_event=prefetch, delivered_by=name)
     return records
 
 

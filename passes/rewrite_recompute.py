@@ -13,10 +13,9 @@ from typing import Collection, Mapping
 import torch
 import torch.fx
 
+from autorecompute.passes.meta import mark_region, mark_source, source_op
 from autorecompute.runtime.regions import BATCH_NORM, CheckpointRegion, RemakingRegion, batch_norm_once
 
-REGION_MEMBERS = "autorecompute_region"    # node.meta key of a region call: names of the ops it runs
-SOURCE = "autorecompute_source"            # node.meta key of a region output: the op it stands for
 
 
 def copy_replaying(graph: torch.fx.Graph, node: torch.fx.Node, arg_transform, recomputing) -> torch.fx.Node:
@@ -178,14 +177,14 @@ def _outline(gm: torch.fx.GraphModule, region: list[torch.fx.Node], name: str,
 
     with gm.graph.inserting_after(region[-1]):
         call = gm.graph.call_module(name, call_args)
-    call.meta[REGION_MEMBERS] = [node.name for node in region]
+    mark_region(call, [node.name for node in region])
     replacements = []
     with gm.graph.inserting_after(call):
         for i, node in enumerate(outputs):
             replacements.append((node, gm.graph.call_function(operator.getitem, (call, i))))
     for node, item in replacements:
         item.meta = dict(node.meta)
-        item.meta[SOURCE] = node.meta.get(SOURCE, node.name)
+        mark_source(item, source_op(node))
         node.replace_all_uses_with(item, delete_user_cb=lambda user: user not in members)
     for node in reversed(region):
         gm.graph.erase_node(node)

@@ -15,9 +15,9 @@ from typing import Collection
 import torch
 import torch.fx
 
+from autorecompute.passes.meta import has_softmax_in_place_mark, softmax_in_place_safe
 from autorecompute.runtime.softmax import AUTOGRAD_SOFTMAX, softmax_backward_in_place
 
-IN_PLACE = "autorecompute_softmax_in_place"   # node.meta key set by capture: the node's ``safe`` flag
 
 
 def softmax_in_place_nodes(gm: torch.fx.GraphModule) -> list[str]:
@@ -48,7 +48,7 @@ def rewrite_softmax(gm: torch.fx.GraphModule, in_place: Collection[str]) -> torc
         for node in module.graph.nodes:
             if not _is_softmax(node):
                 continue
-            safe = node.meta[IN_PLACE]
+            safe = softmax_in_place_safe(node)
             x, dim, dtype = node.args[:3]
             target, args = (softmax_backward_in_place, (x, dim, dtype, safe)) if node.name in in_place \
                 else (AUTOGRAD_SOFTMAX[safe], (x, dim, dtype))
@@ -61,5 +61,5 @@ def rewrite_softmax(gm: torch.fx.GraphModule, in_place: Collection[str]) -> torc
 
 def _is_softmax(node: torch.fx.Node) -> bool:
     """A softmax capture wrote in place (the mark alone is not enough: a region's output copies its op's meta)."""
-    return IN_PLACE in node.meta and node.op == "call_function" and \
+    return has_softmax_in_place_mark(node) and node.op == "call_function" and \
         (node.target is softmax_backward_in_place or node.target in AUTOGRAD_SOFTMAX.values())

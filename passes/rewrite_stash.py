@@ -35,8 +35,9 @@ import torch.fx
 
 from autorecompute.decisions import Action, ActionKind, Stashed
 from autorecompute.passes.build_problem import is_random
-from autorecompute.passes.profile import NodeInfo, StepProfile, step_profile
-from autorecompute.passes.rewrite_recompute import REGION_MEMBERS, SOURCE, copy_replaying
+from autorecompute.passes.profile import StepProfile, step_profile
+from autorecompute.passes.meta import STASH_RUNTIME, is_region_output, node_info_if_profiled, ops_run_by, source_op
+from autorecompute.passes.rewrite_recompute import copy_replaying
 from autorecompute.problem import GRADIENT
 from autorecompute.runtime.regions import BATCH_NORM, RUNNING_STATISTICS
 from autorecompute.runtime.stash import (StashRuntime, stash_compress, stash_delivered, stash_gradient,
@@ -44,7 +45,6 @@ from autorecompute.runtime.stash import (StashRuntime, stash_compress, stash_del
                                          stash_release, stash_rematerialize, stash_rng_state, stash_scope_begin,
                                          stash_scope_end, stash_watch)
 
-RUNTIME = "stash_runtime"
 log = logging.getLogger("autorecompute")
 _OFFLOAD = Action(ActionKind.OFFLOAD)      # prefetched from its event (``offload:late`` comes back at first use)
 
@@ -80,36 +80,31 @@ def _read_outer(gm: torch.fx.GraphModule, runtime: StashRuntime) -> _Outer:
     value_of: dict[str, torch.fx.Node] = {}
     runs_at: dict[int, torch.fx.Node] = {}
     for node in values:
-        value_of[node.meta.get(SOURCE, node.name)] = node
-        for member in node.meta.get(REGION_MEMBERS, [node.meta.get(SOURCE, node.name)]):
+        value_of[source_op(node)] = node
+        for member in ops_run_by(node):
             if member in order:
                 runs_at.setdefault(order[member], node)
     triggers = sorted(((info.backward_event, node) for node in values
-                       if (info := _info(node)) is not None and info.backward_event is not None
+                       if (info := node_info_if_profiled(node)) is not None and info.backward_event is not None
                        and isinstance(node.meta.get("val"), torch.Tensor)), key=lambda e: e[0])
     outer = _Outer(gm, profile, values, value_of, runs_at, triggers,
                    {node: i for i, node in enumerate(graph.nodes)})
-    gm.add_submodule(RUNTIME, runtime)
+    gm.add_submodule(STASH_RUNTIME, runtime)
     first = next(iter(n for n in graph.nodes if n.op not in ("placeholder",)))
     with graph.inserting_before(first):
-        outer.runtime = graph.get_attr(RUNTIME)
+        outer.runtime = graph.get_attr(STASH_RUNTIME)
     return outer
 
 
 def _visible_view(outer: list[torch.fx.Node], name: str) -> torch.fx.Node | None:
     """An outer value that is a view of tensor ``name`` (same storage), when ``name`` itself is not one."""
     for node in outer:
-        info = _info(node)
+        info = node_info_if_profiled(node)
         # a region output that allocates nothing is an alias: mutating ops are never recomputed
-        alias = getattr(node.target, "is_view", False) or SOURCE in node.meta
+        alias = getattr(node.target, "is_view", False) or is_region_output(node)
         if info is not None and not info.creates and name in info.reads and alias:
             return node
     return None
-
-
-def _info(node: torch.fx.Node) -> NodeInfo | None:
-    info = node.meta.get("autorecompute")
-    return info if isinstance(info, NodeInfo) else None
 
 
 def _recipe_module(chain: list[torch.fx.Node], delivers: list[torch.fx.Node] = ()
@@ -185,7 +180,7 @@ def _stash_internal(outer: _Outer, stash: Mapping[str, Stashed]) -> None:
     graph = outer.graph
     for op, names in by_op.items():
         node = outer.value_of.get(op)
-        info = _info(node) if node is not None else None
+        info = node_info_if_profiled(node) if node is not None else None
         if info is None:
             raise ValueError(f"op {op!r} of stashed tensors {names} is not in the graph (plan and graph disagree)")
         internal = tuple(c for c in info.creates if ".saved" in c)
