@@ -9,6 +9,8 @@ in a warning. Clean-ups, each a module of its own, then make the graph plannable
    input signature itself);
 2. :mod:`~autorecompute.passes.inline_attention`: attention run as PyTorch's math composite becomes that
    composite's ops, so the attention matrix, the softmax and the dropout mask are separate tensors;
+   :mod:`~autorecompute.passes.gpu_attention`: on ``meta`` (a model planned for a GPU) attention runs the
+   fused kernel the GPU runs, so it holds what that kernel holds;
 3. :mod:`~autorecompute.passes.functionalize_mutations`: in-place ops on an activation nothing else reads
    become out-of-place, so that recomputing a region never replays a mutation of its own input (after step 2:
    the inlined composite fills its dropout mask in place);
@@ -39,6 +41,7 @@ from autorecompute.errors import CaptureError, user_stacklevel
 from autorecompute.passes.autocast import callers_autocast
 from autorecompute.passes.drop_guards import drop_guards_and_asserts
 from autorecompute.passes.functionalize_mutations import functionalize_activation_mutations
+from autorecompute.passes.gpu_attention import size_attention_as_a_gpu_runs_it
 from autorecompute.passes.inline_attention import inline_math_attention
 from autorecompute.passes.side_effects import refuse_or_warn, side_effects_recorded
 from autorecompute.passes.softmax_in_place import write_softmax_backward_in_place
@@ -80,6 +83,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     _share_state_with(gm, model)
     drop_guards_and_asserts(gm)
     inline_math_attention(gm)
+    size_attention_as_a_gpu_runs_it(gm)
     functionalize_activation_mutations(gm)
     write_softmax_backward_in_place(gm)
     widen_at_each_reader(gm)

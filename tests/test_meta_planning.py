@@ -50,3 +50,34 @@ def test_planning_on_meta_under_autocast_says_the_plan_is_without_it():
             pytest.warns(UserWarning, match="autocast does not apply to tensors on the meta device") as caught:
         autorecompute.plan(model, x, budget=1.0, solver_time_limit=0.5)
     assert {w.filename for w in caught if "meta device" in str(w.message)} == {__file__}
+
+
+class _Attention(torch.nn.Module):
+    """Fused-attention block: qkv projection, causal SDPA, output projection."""
+
+    def __init__(self, width: int = 64, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_planned_on_meta_holds_what_a_fused_kernel_holds(dtype):
+    """On meta, SDPA is sized as the GPU's fused kernel (flash in half precision, memory-efficient in float32):
+    output and logsumexp, not the attention matrix. The CPU runs a fused kernel too (its flash attention), so the
+    unoptimized step on meta is the CPU's to within the kernels' seed tensors — where the math composite made it
+    several times larger."""
+    def make(device):
+        torch.manual_seed(0)
+        with torch.device(device):
+            return torch.nn.Sequential(*[_Attention() for _ in range(3)]).to(dtype), torch.randn(2, 256, 64, dtype=dtype)
+
+    cpu, meta = (autorecompute.plan(*make(d), budget=1.0, solver_time_limit=0.5).baseline_peak for d in ("cpu", "meta"))
+    assert cpu <= meta <= cpu * 1.001
