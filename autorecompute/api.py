@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import inspect
 import logging
@@ -13,6 +14,7 @@ from functools import lru_cache, partial
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from autorecompute.budget import format_bytes, parse_budget
@@ -247,7 +249,7 @@ class CompiledModule(torch.nn.Module):
     the original model; in eval mode with autograd on, a step is planned too (a plan of its own).
     """
 
-    def __init__(self, model: torch.nn.Module, budget, options: PlannerOptions):
+    def __init__(self, model: torch.nn.Module, budget, options: PlannerOptions, learn_outputs: bool = False):
         super().__init__()
         # Share the model's state dicts themselves: parameters(), state_dict() and optimizers see the
         # same objects under the same names as on the model.
@@ -257,6 +259,8 @@ class CompiledModule(torch.nn.Module):
         self.__dict__["_model"] = model
         self.__dict__["_budget"] = budget
         self.__dict__["_options"] = options
+        self.__dict__["_learn_outputs"] = learn_outputs   # outputs="auto": the first step says kept or dropped
+        self.__dict__["_outputs_seen"] = None   # what the watched step did with them, at the start of its backward
         self.__dict__["_plans"] = {}
         self.__dict__["_states"] = {}          # each plan's model state (values, object ids), by key
         self.__dict__["_last"] = None
@@ -290,14 +294,15 @@ class CompiledModule(torch.nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         # a module pickled without a cache of plan states (or a warning mark) starts with none
-        super().__setstate__({"_states": {}, "_warned_at": None, **state})
+        super().__setstate__({"_states": {}, "_warned_at": None, "_learn_outputs": False, "_outputs_seen": None,
+                              **state})
 
     def __getstate__(self, keep_plans: bool = False) -> dict:
         # pickle / torch.save: the model and the settings; plans are this process's cache (rewritten graph
         # modules, offload tiers), made again — the same plans, the planner is deterministic — on the first
         # training call after loading. nn.Module's own state first (it drops what Module.compile() bound)
         state = super().__getstate__()
-        state.update(_watch=None, _pending=None)     # this process's graphs: nothing of them is copied
+        state.update(_watch=None, _pending=None, _outputs_seen=None)   # this process's graphs: not copied
         if not keep_plans:
             state.update(_plans={}, _states={}, _last=None, _warned_at=None)
         return state
@@ -454,6 +459,7 @@ class CompiledModule(torch.nn.Module):
             return self._model(*args, **kwargs)
         self._check_last_backward()
         self._check_overlapping_step()
+        self._check_outputs()
         kwargs = self._without_cache(kwargs)
         planned = self._planned(args, kwargs)
         outputs = planned.module(*args, **kwargs)
@@ -462,6 +468,7 @@ class CompiledModule(torch.nn.Module):
                 _watch_retained_graph(self, outputs)
             planned.backward_watched = True
             self._watch_backward(outputs)
+            self._watch_outputs(outputs)
         self._watch_overlapping_step(outputs)
         return outputs
 
@@ -499,6 +506,48 @@ class CompiledModule(torch.nn.Module):
             "next forward (gradients accumulate); if both forwards must be alive (a contrastive loss over two "
             "views), give each call its share of the budget; outputs kept only for metrics: detach them.",
             OverlappingStepsWarning, stacklevel=user_stacklevel())
+
+    def _watch_outputs(self, outputs) -> None:
+        """The first step of each plan: whether the outputs backward does not start from (the logits beside a
+        returned loss) are still on the device when its backward starts — kept — or freed — dropped."""
+        seeds = output_tensors_for_backward(outputs)
+        reached = {t.untyped_storage()._cdata for t in seeds}
+        others = [StorageWeakRef(t.untyped_storage()) for t in tree_flatten(outputs)[0]
+                  if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in reached]
+        if not seeds or not others:
+            return
+        seen: dict = {}
+
+        def at_backward(grad):
+            seen.setdefault("dropped", all(ref.expired() for ref in others))
+        for tensor in seeds:
+            tensor.register_hook(at_backward)
+        self.__dict__["_outputs_seen"] = seen
+
+    def _check_outputs(self) -> None:
+        """After a watched step: plans made for outputs kept are made again for outputs dropped where the
+        step dropped them (``outputs="auto"``); a step that kept outputs planned as dropped is told, and its
+        plans made again for them kept (its backward held more than the plan counted)."""
+        seen = self.__dict__.get("_outputs_seen")
+        if not seen:
+            return
+        self.__dict__["_outputs_seen"] = None
+        planned_for, found = self._options.outputs, "dropped" if seen["dropped"] else "kept"
+        if found == planned_for or (found == "dropped" and not self._learn_outputs):
+            return
+        if found == "kept":
+            warnings.warn(
+                f"autorecompute: {type(self._model).__name__}'s plan is for outputs dropped before backward "
+                "(outputs='dropped'), but the last step held them through its backward, which the plan did not "
+                "count: that step may have gone over the budget. Planning again for outputs kept. Fix: drop the "
+                "outputs before backward (loss = model(x).loss), or compile with outputs='kept' or 'auto'.",
+                PartialBackwardWarning, stacklevel=user_stacklevel())
+        else:
+            log.info("%s's first step dropped the outputs before backward: planning again for that (one "
+                     "outputs-sized tensor less held)", type(self._model).__name__)
+        self.__dict__["_options"] = dataclasses.replace(self._options, outputs=found)
+        self._plans.clear()
+        self._states.clear()
 
     def _watch_backward(self, outputs) -> None:
         """The first step of each plan: whether its backward leaves out an output the plan gave a gradient
@@ -543,13 +592,13 @@ class CompiledModule(torch.nn.Module):
 
 
 def _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective,
-             loss_reserve="auto") -> PlannerOptions:
+             loss_reserve="auto", outputs="kept") -> PlannerOptions:
     return PlannerOptions(actions=_names(actions, "actions", "('recompute', 'offload')"),
                           compress_dtypes=None if compress_dtypes is None else
                           _names(_dtype_names(compress_dtypes), "compress_dtypes",
                                  "('bfloat16',) or (torch.bfloat16,)"),
                           offload_dir=offload_dir, transfer=transfer, solver_time_limit=solver_time_limit, seed=seed,
-                          objective=objective, loss_reserve=loss_reserve)
+                          objective=objective, loss_reserve=loss_reserve, outputs=outputs)
 
 
 # the torch dtypes a compress codec stores as, by the codec's name
@@ -584,8 +633,8 @@ def _names(value, argument: str, example: str):
 
 def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple[str, ...] = DEFAULT_ACTIONS,
             compress_dtypes: tuple[str, ...] | None = None, offload_dir: str | None = None,
-            transfer: TransferModel | None = None, solver_time_limit: float = 8.0, seed: int = 0,
-            objective: str = "time", loss_reserve: int | str = "auto") -> CompiledModule:
+            transfer: TransferModel | None = None, solver_time_limit: float | None = None, seed: int = 0,
+            objective: str = "time", loss_reserve: int | str = "auto", outputs: str = "auto") -> CompiledModule:
     """Wraps ``model`` so each training step fits in ``budget`` bytes, planning lazily per input signature.
 
     Args:
@@ -603,7 +652,11 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
         offload_dir: directory of the disk tier (None: the system temporary directory); checked now.
         transfer: compute and transfer throughputs of the cost model (``autorecompute.transfer``); None
             takes the device's defaults, ``autorecompute.transfer.measure()`` times this machine.
-        solver_time_limit: about the seconds of the cost solve (the minimum-peak solve gets a quarter),
+        solver_time_limit: None (the default) lets the planner choose: a model of repeated blocks (a
+            transformer's layers) is planned by its layers — a menu of each block's decisions, one per block
+            by dynamic programming, then a local search — in seconds at any depth; any other graph by CP-SAT
+            as below with a limit of 8. A number asks for the whole-model search on every graph, with this
+            limit: about the seconds of the cost solve (the minimum-peak solve gets a quarter),
             as deterministic CP-SAT work, so the plan does not depend on the machine's load; the best plan
             found by then is used. A cost solve CP-SAT does not prove optimal is improved after it by
             windows of it, up to three times the limit (CP-SAT over windows of the chain where it found
@@ -623,6 +676,12 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
             less the gradient the step counts anyway (cross-entropy's log-softmax, its gradient and the
             gradient of the logits); ``0`` when the loss is inside the model; an int for another loss.
             ``plan.loss_reserve`` says what was reserved.
+        outputs: what your step does with the outputs backward does not start from — the logits beside the
+            loss a model returns: ``"kept"`` through backward (``out = model(x, labels=y);
+            out.loss.backward()``), ``"dropped"`` before it (``model(x, labels=y).loss.backward()``, Hugging
+            Face Trainer's step: one logits tensor less at the peak). ``"auto"`` (the default) plans them kept
+            and looks at the first step: found dropped, the step is planned again for that (logged; the first
+            step stays within its budget either way). ``plan.outputs`` says which a plan is for.
 
     Example:
         >>> import autorecompute, torch
@@ -643,8 +702,8 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
     model = _original(model)
     _warn_if_checkpointing_itself(model, parse_budget(budget))
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective,
-                       loss_reserve)
-    return CompiledModule(model, budget, options)
+                       loss_reserve, "kept" if outputs == "auto" else outputs)
+    return CompiledModule(model, budget, options, learn_outputs=outputs == "auto")
 
 
 def _without_cache(model: torch.nn.Module, kwargs: dict, tell: bool = True) -> dict:
@@ -783,8 +842,8 @@ def _warn_if_checkpointing_itself(model: torch.nn.Module, budget: int | float) -
 
 def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tuple[str, ...] = DEFAULT_ACTIONS,
          compress_dtypes: tuple[str, ...] | None = None, offload_dir: str | None = None,
-         transfer: TransferModel | None = None, solver_time_limit: float = 8.0, seed: int = 0,
-         objective: str = "time", loss_reserve: int | str = "auto", **kwargs) -> Plan:
+         transfer: TransferModel | None = None, solver_time_limit: float | None = None, seed: int = 0,
+         objective: str = "time", loss_reserve: int | str = "auto", outputs: str = "kept", **kwargs) -> Plan:
     """Plans ``model`` for the example inputs without running a training step (arguments as :func:`compile`).
 
     Inputs and model may live on the ``meta`` device: planning runs on fake tensors and allocates nothing.
@@ -803,7 +862,7 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
     _check_model_keywords(model, kwargs, plan)
     _warn_if_checkpointing_itself(model, parse_budget(budget))
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective,
-                       loss_reserve)
+                       loss_reserve, outputs)
     return _plan(model, args, kwargs, budget, options)
 
 
@@ -816,8 +875,8 @@ def _plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options: Pl
 
 def minimum_peak(model: torch.nn.Module, *args, actions: tuple[str, ...] = DEFAULT_ACTIONS,
                  compress_dtypes: tuple[str, ...] | None = None, offload_dir: str | None = None,
-                 transfer: TransferModel | None = None, solver_time_limit: float = 8.0, seed: int = 0,
-                 loss_reserve: int | str = "auto", **kwargs) -> int:
+                 transfer: TransferModel | None = None, solver_time_limit: float | None = None, seed: int = 0,
+                 loss_reserve: int | str = "auto", outputs: str = "kept", **kwargs) -> int:
     """The least peak, in bytes, that a plan with ``actions`` reaches for one training step of ``model`` on
     the example inputs: the smallest budget :func:`compile` and :func:`plan` accept for them (arguments as
     :func:`compile`; ``InfeasibleBudgetError.breakdown`` says what it is made of).
@@ -841,7 +900,7 @@ def minimum_peak(model: torch.nn.Module, *args, actions: tuple[str, ...] = DEFAU
     model = _original(model)
     _check_model_keywords(model, kwargs, minimum_peak)
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, "time",
-                       loss_reserve)
+                       loss_reserve, outputs)
     try:
         # a 1-byte budget is below any step's: the planner searches its lowest peak, then says what it is
         met = _plan(model, args, kwargs, 1, options)

@@ -76,7 +76,7 @@ def plan_command(args: argparse.Namespace) -> int:
                                   solver_time_limit=args.solver_time_limit, actions=_names(args.actions),
                                   compress_dtypes=(None if args.compress_dtypes is None
                                                    else _names(args.compress_dtypes)),
-                                  objective=args.objective, loss_reserve=args.loss_reserve)
+                                  objective=args.objective, loss_reserve=args.loss_reserve, outputs=args.outputs)
     except (autorecompute.AutorecomputeError, ValueError) as error:
         return fail(str(error), 1)
     print(plan)
@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="bytes, '12GB', '1.5GiB', or a fraction of the unoptimized peak like 0.5")
     p.add_argument("--input-shape", action="append", metavar="[NAME=]SIZES[:DTYPE[:HIGH]]", help=INPUT_HELP)
     p.add_argument("--out", help="also write the plan: .html (one page), .json, .dot, .svg or .png (timeline)")
-    p.add_argument("--solver-time-limit", type=seconds_arg, default=8.0)
+    p.add_argument("--solver-time-limit", type=seconds_arg, default=None,
+                   help="seconds of the whole-model search (default: the planner chooses; by layers where the "
+                        "model repeats blocks)")
     p.add_argument("--actions", default="recompute,offload",
                    help="comma-separated, among recompute, offload, compress (default: recompute,offload)")
     p.add_argument("--objective", default="time", choices=["time", "flops"],
@@ -232,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss-reserve", type=reserve_arg, default="auto",
                    help="bytes a loss computed outside the model holds as backward starts: 'auto' (cross-entropy "
                         "over the outputs in float32; none when the model returns its loss), 0, or bytes like 64MB")
+    p.add_argument("--outputs", default="kept", choices=["kept", "dropped"],
+                   help="whether the step holds the outputs backward does not start from (the logits beside a "
+                        "returned loss) through backward (kept: out = model(x); out.loss.backward()) or drops them "
+                        "(dropped: model(x).loss.backward(), Hugging Face Trainer's step)")
     p.set_defaults(run=plan_command)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -44,13 +44,17 @@ from autorecompute.runtime.memory import AUTO
 from autorecompute.runtime.stash import StashRuntime, distributed
 from autorecompute.runtime.tiers import check_writable
 from autorecompute.search import Search, SearchPlan, Strategies
+from autorecompute.solvers import layered
 from autorecompute.throughputs import TransferModel, counting_flops, default_for
 
 log = logging.getLogger("autorecompute")
 
 SUPPORTED_ACTIONS = ("recompute", "offload", "compress")
 OBJECTIVES = ("time", "flops")
+OUTPUTS = ("kept", "dropped")     # held by the caller through backward (out = model(...)), or not (model(...).loss)
 DEFAULT_ACTIONS = ("recompute", "offload")      # the lossless ones
+WHOLE_MODEL_TIME_LIMIT = 8.0     # the default solver_time_limit of a graph planned as a whole
+BY_LAYERS_TIME_LIMIT = 1.0       # ... of one planned by its layers: the local searches' work after the DP
 
 
 
@@ -59,13 +63,14 @@ class PlannerOptions:
     """Knobs of the planner, validated once at ``compile``/``plan`` time."""
 
     actions: tuple[str, ...] = DEFAULT_ACTIONS
-    solver_time_limit: float = 8.0
+    solver_time_limit: float | None = None     # None: the planner's choice (:func:`search_setup`)
     seed: int = 0
     compress_dtypes: tuple[str, ...] | None = None
     offload_dir: str | None = None
     transfer: TransferModel | None = None
     objective: str = "time"
     loss_reserve: int | str = "auto"
+    outputs: str = "kept"       # what the caller does with the outputs backward does not start from: OUTPUTS
     strategies: Strategies = Strategies()     # the searches combined (tests pass stubs)
 
     def __post_init__(self):
@@ -102,8 +107,9 @@ class PlannerOptions:
             check_writable(self.offload_dir)
         if self.transfer is not None and not isinstance(self.transfer, TransferModel):
             raise ValueError(f"transfer={self.transfer!r} must be an autorecompute.transfer.TransferModel")
-        if isinstance(self.solver_time_limit, bool) or not isinstance(self.solver_time_limit, numbers.Real) \
-                or not 0 < self.solver_time_limit < math.inf:
+        if self.solver_time_limit is not None and (
+                isinstance(self.solver_time_limit, bool) or not isinstance(self.solver_time_limit, numbers.Real)
+                or not 0 < self.solver_time_limit < math.inf):
             # infinite is refused too: the limit is also the deterministic work CP-SAT may spend, an integer
             raise ValueError(f"solver_time_limit={self.solver_time_limit!r} must be a finite number of seconds > 0 "
                              "(the best plan found by then is used: for a longer search pass more, e.g. 60)")
@@ -111,6 +117,11 @@ class PlannerOptions:
                 or not -2**31 <= self.seed < 2**31:
             raise ValueError(f"seed={self.seed!r} must be an int that fits 32 bits (CP-SAT's random seed)")
         object.__setattr__(self, "seed", int(self.seed))      # a numpy int too (random.Random takes no other)
+        if self.outputs not in OUTPUTS:
+            raise ValueError(f"outputs={self.outputs!r}; accepted: 'kept' (the caller holds the outputs through "
+                             "backward: out = model(x); out.loss.backward()), 'dropped' (only the loss the model "
+                             "returns lives on: model(x).loss.backward(), Hugging Face Trainer's step) or, for "
+                             "compile, 'auto' (kept until the first step shows them dropped)")
         if self.loss_reserve != AUTO and (isinstance(self.loss_reserve, bool) or not isinstance(
                 self.loss_reserve, numbers.Integral) or self.loss_reserve < 0):
             raise ValueError(f"loss_reserve={self.loss_reserve!r} must be 'auto' (sized from the outputs for a loss "
@@ -203,10 +214,12 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     gm = capture(model, args, kwargs)
     log.info("capture: %d nodes, %.2f s", len(gm.graph.nodes), time.perf_counter() - started)
     t = time.perf_counter()
-    profile = profile_step(gm, args, kwargs, options.loss_reserve)
+    keep = options.outputs == "kept"
+    profile = profile_step(gm, args, kwargs, options.loss_reserve, keep)
     key = _cache_key(gm, signature, budget, options, entered, _device_type(args, kwargs))
     cached = plan_cache.load(key) if key else None
-    if cached is not None and cached.resident == dict(profile.resident) and cached.loss_reserve == profile.loss_reserve:
+    if cached is not None and cached.resident == dict(profile.resident) and cached.loss_reserve == profile.loss_reserve \
+            and cached.outputs == options.outputs:
         # (a step that holds more besides the plan — optimizer state made since, other tensors on the device —
         # is planned again)
         runtime = StashRuntime(options.offload_dir) if cached.stash else None
@@ -218,25 +231,24 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
               time.perf_counter() - t, len(problem.chain), len(problem.recomputable), len(problem.activations),
               len(problem.stash_options))
     reserve = profile.loss_reserve
-    baseline_peak = _unoptimized_peak(gm, args, kwargs, profile.peak, reserve)
+    baseline_peak = _unoptimized_peak(gm, args, kwargs, profile.peak, reserve, keep)
     budget_bytes = resolve_budget(parsed, baseline_peak)
     runtime = StashRuntime(options.offload_dir) if problem.stash_options else None
-    search = Search(problem, budget_bytes, baseline_peak, gm, _verifier(gm, problem, runtime, args, kwargs, reserve),
-                    options.solver_time_limit, options.seed, options.objective, options.strategies,
-                    in_thread=partial(_under_autocast, entered))
-    found = search.run()
+    verify = _verifier(gm, problem, runtime, args, kwargs, reserve, keep)
+    search, found = _search(problem, budget_bytes, baseline_peak, gm, verify, options,
+                            partial(_under_autocast, entered))
     if found is None:
         peak = search.minimum()[1]
         raise InfeasibleBudgetError(budget_bytes, peak, _breakdown(profile, peak), options.actions,
                                     fraction=parsed if isinstance(parsed, float) else None, baseline=baseline_peak)
-    softmax_in_place, peak = _softmax_in_place(found.module, args, kwargs, budget_bytes, found.peak, reserve)
+    softmax_in_place, peak = _softmax_in_place(found.module, args, kwargs, budget_bytes, found.peak, reserve, keep)
     recompute, stash = found.decisions
     rewrite = rewrite_of(problem, recompute, stash, softmax_in_place)
     plan = Plan(
         budget=budget_bytes, predicted_peak=peak, baseline_peak=baseline_peak,
         minimum_peak=search.minimum_peak(peak), model_peak=predicted_peak(problem, recompute, stash),
         decisions=rewrite.words, region_starts=rewrite.region_starts, region_remakes=rewrite.region_remakes,
-        softmax_in_place=rewrite.softmax_in_place, loss_reserve=reserve,
+        softmax_in_place=rewrite.softmax_in_place, loss_reserve=reserve, outputs=options.outputs,
         extra_flops=extra_flops(problem, recompute, stash), baseline_flops=sum(problem.flops.values()),
         solver_status=found.status, solver_time=search.solve_time, solver_gap=found.gap,
         plan_time=time.perf_counter() - started, actions=options.actions, objective=options.objective,
@@ -258,6 +270,36 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     return Planned(plan=plan, module=found.module)
 
 
+def _search(problem: Problem, budget: int, baseline: int, gm: torch.fx.GraphModule, verify, options: PlannerOptions,
+            in_thread) -> tuple[Search, object]:
+    """The search :func:`search_setup` chooses, run; where planning by layers finds nothing under the budget
+    (below the least peak its menu reaches), the whole-model search, whose minimum can be lower: a budget is
+    refused only when that finds nothing either."""
+    time_limit, strategies = search_setup(problem, options)
+    search = Search(problem, budget, baseline, gm, verify, time_limit, options.seed, options.objective, strategies,
+                    in_thread=in_thread)
+    found = search.run()
+    if found is None and strategies == Strategies.by_layers():
+        log.info("nothing by layers under %s (their minimum %s): the whole-model search", format_bytes(budget),
+                 format_bytes(search.minimum()[1]))
+        search = Search(problem, budget, baseline, gm, verify, WHOLE_MODEL_TIME_LIMIT, options.seed,
+                        options.objective, Strategies(), in_thread=in_thread)
+        found = search.run()
+    return search, found
+
+
+def search_setup(problem: Problem, options: PlannerOptions) -> tuple[float, Strategies]:
+    """(the search's time limit, its strategies). Without a ``solver_time_limit``, a model of repeated blocks
+    (:func:`~autorecompute.solvers.layered.find_stack`) is planned by its layers with a short polish — seconds
+    at any depth — and any other graph as a whole (CP-SAT, :data:`WHOLE_MODEL_TIME_LIMIT`). A limit given is
+    the whole-model search's, for every graph: the way to ask for a longer search."""
+    if options.solver_time_limit is not None or options.strategies != Strategies():
+        return options.solver_time_limit or WHOLE_MODEL_TIME_LIMIT, options.strategies
+    if layered.planner_of(problem) is not None:
+        return BY_LAYERS_TIME_LIMIT, Strategies.by_layers()
+    return WHOLE_MODEL_TIME_LIMIT, options.strategies
+
+
 def _cache_key(gm: torch.fx.GraphModule, signature: str, budget, options: PlannerOptions, autocast: list,
                device_type: str) -> str | None:
     """The plan cache's key for this step, or None where plans are not cached: the cache off, or a search
@@ -266,7 +308,7 @@ def _cache_key(gm: torch.fx.GraphModule, signature: str, budget, options: Planne
         return None
     searched = {"actions": options.actions, "solver_time_limit": options.solver_time_limit, "seed": options.seed,
                 "compress_dtypes": options.compress_dtypes, "objective": options.objective,
-                "loss_reserve": options.loss_reserve, "transfer": repr(options.transfer),
+                "loss_reserve": options.loss_reserve, "outputs": options.outputs, "transfer": repr(options.transfer),
                 "autocast": repr(autocast), "distributed": distributed()}
     return plan_cache.plan_key(gm, signature, budget, searched, device_type)
 
@@ -299,17 +341,18 @@ def _under_autocast(entered: list, fn, *args):
 
 
 def _verifier(gm: torch.fx.GraphModule, problem: Problem, runtime: StashRuntime | None, args: tuple, kwargs: dict,
-              reserve: int):
+              reserve: int, keep_outputs: bool):
     """``verify(plan) -> (module, peak)``: the plan carried out on a copy of ``gm``, its step measured, every
     softmax capture wrote in place left so (as the profile counts them)."""
     captured = tuple(softmax_in_place_nodes(gm))
 
     def verify(decisions: SearchPlan) -> tuple[torch.nn.Module, int]:
-        return verify_plan(gm, rewrite_of(problem, *decisions, captured), runtime, args, kwargs, reserve)
+        return verify_plan(gm, rewrite_of(problem, *decisions, captured), runtime, args, kwargs, reserve, keep_outputs)
     return verify
 
 
-def _unoptimized_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, profiled: int, reserve: int) -> int:
+def _unoptimized_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, profiled: int, reserve: int,
+                      keep_outputs: bool) -> int:
     """The step's peak as eager runs it, which fractional budgets are fractions of: the profile's, or, where
     capture wrote softmax backwards into their gradients (the profile's step), the step measured with
     autograd's."""
@@ -318,13 +361,13 @@ def _unoptimized_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, profi
         return profiled
     rewrite_softmax(gm, in_place=())
     try:
-        return max(profiled, fake_step_memory(gm, args, kwargs, reserve).peak)
+        return max(profiled, fake_step_memory(gm, args, kwargs, reserve, keep_outputs).peak)
     finally:
         rewrite_softmax(gm, in_place=names)
 
 
 def _softmax_in_place(module: torch.nn.Module, args: tuple, kwargs: dict, budget: int,
-                      peak: int, reserve: int) -> tuple[tuple[str, ...], int]:
+                      peak: int, reserve: int, keep_outputs: bool) -> tuple[tuple[str, ...], int]:
     """(the softmaxes whose backward stays written into their gradient, the step's verified peak).
 
     The profile and the plan count every softmax capture made ``softmax_backward_in_place`` at its lower
@@ -336,7 +379,7 @@ def _softmax_in_place(module: torch.nn.Module, args: tuple, kwargs: dict, budget
     if not names:
         return (), peak
     rewrite_softmax(gm, in_place=())
-    autograds = fake_step_memory(module, args, kwargs, reserve).peak
+    autograds = fake_step_memory(module, args, kwargs, reserve, keep_outputs).peak
     if autograds <= budget:
         return (), autograds
     rewrite_softmax(gm, in_place=names)

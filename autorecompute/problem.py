@@ -138,6 +138,7 @@ class Problem:
     # the ops of each repeated block of the outermost stacks (a transformer's layers; an encoder's and a
     # decoder's are two stacks), in chain order: per-block checkpointing's regions
     blocks: tuple[tuple[str, ...], ...] = ()
+    forward_position: dict[str, int] = field(default_factory=dict)   # chain op → its forward position
 
     @cached_property
     def backward_positions(self) -> dict[str, int]:

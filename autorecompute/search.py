@@ -24,7 +24,7 @@ from typing import Callable
 from autorecompute.budget import format_bytes
 from autorecompute.memory_model import effective_stash, extra_cost, predicted_peak
 from autorecompute.problem import Problem
-from autorecompute.solvers import cpsat, greedy
+from autorecompute.solvers import cpsat, greedy, layered
 
 log = logging.getLogger("autorecompute")
 
@@ -76,6 +76,17 @@ def local_cost_search(round_: CostRound) -> SearchPlan:
     return polished
 
 
+def polish_cost(round_: CostRound) -> SearchPlan:
+    """:func:`greedy.lower_cost` from the best plan alone (the layered search's refinement)."""
+    return greedy.lower_cost(round_.problem, round_.budget, round_.best, work=int(COST_SEARCH_WORK * round_.time_limit))
+
+
+def polish_peak(problem: Problem, start: SearchPlan, *, seed: int, work: int) -> SearchPlan:
+    """:func:`greedy.lower_peak` with a quarter of the work (the layered search's: its start is near the
+    lowest its menu reaches)."""
+    return greedy.lower_peak(problem, start, seed=seed, work=work // 4)
+
+
 def chain_windows(round_: CostRound) -> SearchPlan | None:
     """CP-SAT over windows of the chain, the rest fixed: where the whole model found nothing on a long chain."""
     if round_.solved or len(round_.problem.recomputable) <= cpsat.WINDOW_OPS:
@@ -91,9 +102,16 @@ def layer_windows(round_: CostRound) -> SearchPlan | None:
                                   time_limit=round_.time_limit, windows=cpsat.block_windows(round_.problem))
 
 
+def not_solved(problem: Problem, **_) -> cpsat.SolverResult:
+    """The layered search's whole-model solve: none (a model of every op is what planning by layers replaces)."""
+    return cpsat.SolverResult(None, "not run", float("inf"), 0.0, 1.0, 0.0)
+
+
 @dataclass(frozen=True)
 class Strategies:
-    """The searches :class:`Search` combines. Each is a function of the problem (see the defaults)."""
+    """The searches :class:`Search` combines. Each is a function of the problem (see the defaults);
+    :meth:`by_layers` plans models of repeated blocks by their layers. ``hint_status`` names a start that no
+    solve improved (None: "heuristic (cp-sat <its status>)")."""
 
     lowest_start: Callable[[Problem], SearchPlan] = greedy.lowest_start
     solve: Callable[..., cpsat.SolverResult] = cpsat.solve_in_stages
@@ -105,6 +123,18 @@ class Strategies:
         Refinement("feasible (cp-sat windows)", chain_windows),
         Refinement("feasible (cp-sat across layers)", layer_windows),
     )
+    hint_status: str | None = None
+    # budgets below this multiple of the minimum-peak start get the minimum-peak solve first (None: NEAR_MINIMUM)
+    near_minimum: float | None = None
+
+    @classmethod
+    def by_layers(cls) -> "Strategies":
+        """Planning by layers (:mod:`~autorecompute.solvers.layered`): its minimum-peak start (lowered by the
+        local search only for a budget below it) and its cheapest plan under each budget, polished by the local
+        search; no model of every op."""
+        return cls(lowest_start=layered.lowest_start, solve=not_solved, lower_peak=polish_peak,
+                   segment_start=layered.cheapest_under, hint_status="feasible (by layers)", near_minimum=1.0,
+                   refinements=(Refinement("feasible (by layers, local search)", polish_cost, must_fit=False),))
 
 
 def fits_cheaper(problem: Problem, budget: int, plan: SearchPlan, than: SearchPlan) -> bool:
@@ -273,7 +303,7 @@ class Search:
 
     def _better_of(self, hint: SearchPlan, result: cpsat.SolverResult, internal: int) -> tuple[SearchPlan, str]:
         """The hint or CP-SAT's plan, whichever fits and costs less, and its status."""
-        best, status = hint, f"heuristic (cp-sat {result.status})"
+        best, status = hint, self.strategies.hint_status or f"heuristic (cp-sat {result.status})"
         if result.recompute is not None:
             solved = (result.recompute, effective_stash(self.problem, result.recompute, result.stash))
             if predicted_peak(self.problem, *solved) <= internal:
@@ -302,7 +332,8 @@ class Search:
         """The cheapest verified plan under the budget; the minimum-peak plan when nothing cheaper fits; None
         when even that is over the budget (:meth:`minimum` then says how low a step goes)."""
         started = time.perf_counter()
-        if self.budget < NEAR_MINIMUM * self.lowest.peak:
+        near = NEAR_MINIMUM if self.strategies.near_minimum is None else self.strategies.near_minimum
+        if self.budget < near * self.lowest.peak:
             # the minimum matters only when the budget is close to it (or below it: then the same searches as at
             # any budget under the minimum, so a minimum an error names, given as the budget, finds its plan)
             self.lower_minimum(self.time_limit / 4)

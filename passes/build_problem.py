@@ -168,7 +168,8 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
         # random ops (ops that update state are not recomputable at all)
         unremakeable=frozenset(op for op in chain if is_random(nodes[op])),
         repeats=repeated_ops([nodes[op] for op in chain], facts.recomputable),
-        blocks=repeated_blocks([nodes[op] for op in chain]))
+        blocks=repeated_blocks([nodes[op] for op in chain]),
+        forward_position={op: node_info(nodes[op]).position for op in chain})
     return calibrate(problem, _measured(facts.profile))
 
 

@@ -237,19 +237,22 @@ class _Profiler(torch.fx.Interpreter):
                 for name, info in self.infos.items()}
 
 
-def profile_step(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, loss_reserve: int | str = 0) -> StepProfile:
+def profile_step(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, loss_reserve: int | str = 0,
+                 keep_outputs: bool = True) -> StepProfile:
     """Runs one fake forward + backward of ``gm`` and annotates it (see module docstring).
 
     ``args``/``kwargs`` are the real (or meta) example inputs; nothing real is allocated, except on a CUDA
     device the first time an op signature is met: its kernel's workspace is then measured there
     (:mod:`autorecompute.runtime.workspaces`) and the step profiled again with it. ``loss_reserve`` bytes
     (``"auto"``: sized from the outputs, :func:`~autorecompute.runtime.memory.loss_reserve_bytes`) are held
-    beside the outputs' gradients as backward starts, as the caller's loss holds them.
+    beside the outputs' gradients as backward starts, as the caller's loss holds them; the outputs backward does
+    not start from are held through it when ``keep_outputs`` (``run_step``).
     """
-    return workspaces.with_workspaces(lambda: _profile_once(gm, args, kwargs, loss_reserve))
+    return workspaces.with_workspaces(lambda: _profile_once(gm, args, kwargs, loss_reserve, keep_outputs))
 
 
-def _profile_once(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, loss_reserve: int | str) -> StepProfile:
+def _profile_once(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, loss_reserve: int | str,
+                  keep_outputs: bool) -> StepProfile:
     resident, parameter_grad_bytes = _resident(gm, args, kwargs)
     with fake_step(gm, args, kwargs) as (fake_args, fake_kwargs):
         flat_args = tree_flatten_spec((list(fake_args), fake_kwargs), gm._in_spec) \
@@ -259,9 +262,11 @@ def _profile_once(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, loss_rese
         tracker = LiveStorageTracker()
         profiler = _Profiler(gm, tracker, static_keys)
         with tracker:
-            grads_of = _run_forward(profiler, flat_args)
+            outputs, grads_of = _run_forward(profiler, flat_args)
+            if not keep_outputs:
+                outputs = None      # the caller drops what backward does not start from
             reserved = _run_backward(grads_of, loss_reserve)
-            del grads_of
+            del grads_of, outputs
             _close_backward(profiler, tracker)
     infos = profiler.node_infos()
     for node in gm.graph.nodes:
@@ -293,19 +298,19 @@ def _resident(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> tuple[dict
     return resident, tensor_bytes([p for p in params if p.requires_grad and p.grad is None])
 
 
-def _run_forward(profiler: _Profiler, flat_args: list) -> list[torch.Tensor]:
-    """Runs the forward, marks its outputs, and returns the outputs backward starts from (the outputs
-    themselves are dropped here, as the caller's step drops what it does not keep)."""
+def _run_forward(profiler: _Profiler, flat_args: list) -> tuple[Any, list[torch.Tensor]]:
+    """Runs the forward, marks its outputs, and returns them with those backward starts from."""
     # one FLOP counter for the whole forward: each node reads the difference it made
     with torch.autograd.graph.saved_tensors_hooks(profiler.pack, lambda t: t), \
             FlopCounterMode(display=False) as profiler.counter:
         outputs = profiler.run(*flat_args)
+    profiler.env.clear()    # (it holds the output node's value: the outputs' lifetime is the caller's)
     for t in tree_flatten(outputs)[0]:
         name = profiler.owner_of_key.get(t.untyped_storage()._cdata) if isinstance(t, torch.Tensor) else None
         if name is not None:
             profiler.tensors[name].is_output = True
             profiler.tensors[name].last_forward_use = profiler.position
-    return output_tensors_for_backward(outputs)
+    return outputs, output_tensors_for_backward(outputs)
 
 
 def _run_backward(grads_of: list[torch.Tensor], loss_reserve: int | str) -> int:

@@ -256,14 +256,19 @@ def loss_reserve_bytes(outputs: list[torch.Tensor]) -> int:
     return LOSS_SCALARS + sum(LOSS_TENSORS * 4 * t.numel() - t.numel() * t.element_size() for t in tensors)
 
 
-def run_step(module: Callable, args: tuple, kwargs: dict, reserve: int | str = 0) -> Any:
+def run_step(module: Callable, args: tuple, kwargs: dict, reserve: int | str = 0, keep_outputs: bool = True) -> Any:
     """One training step as the planner models it: forward, then backward with a unit gradient on the
     model's loss if it returns one, else a dense unit gradient on every differentiable output (the gradient
     a loss computed outside hands back; :func:`output_tensors_for_backward`). ``reserve`` bytes are
     allocated beside those gradients and freed before backward runs — what the caller's loss holds at that
-    moment (:data:`AUTO`: :func:`loss_reserve_bytes` of the outputs). Returns the outputs."""
+    moment (:data:`AUTO`: :func:`loss_reserve_bytes` of the outputs). The outputs backward does not start from
+    (the logits beside a returned loss) are held through backward when ``keep_outputs``, as ``out =
+    model(...); out.loss.backward()`` holds them, or dropped first, as ``model(...).loss.backward()`` (Hugging
+    Face's Trainer) does. Returns the outputs (those backward started from when they were dropped)."""
     outputs = module(*args, **kwargs)
     tensors = output_tensors_for_backward(outputs)
+    if not keep_outputs:
+        outputs = tensors
     if tensors:
         seeds = [torch.ones_like(t) for t in tensors]
         hold_reserve(tensors, reserve)

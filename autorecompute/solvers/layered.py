@@ -1,0 +1,494 @@
+"""Planning by layers: a menu of decisions for one block of a stack, then one menu entry per block.
+
+A transformer's layers (a CNN stage's blocks) are alike: the same ops on the same shapes. Their plan is
+made of per-block choices — keep everything, recompute the cheap ops, checkpoint the whole block — and the
+least-cost mix of choices under a peak is a small problem over the blocks, not the ops (two-level planning,
+as Rockmate and torchtitan's auto_perf_maxing do). So:
+
+1. **The stack** (:func:`find_stack`): the most numerous blocks of ``problem.blocks`` that are alike (the same
+   ops at the same costs) and run one after another (forward in order, backward in reverse).
+2. **The menu** (:func:`menu`): block decisions (:class:`Template`) — keep-all, the block as one region,
+   one region over each stretch of it (the MLP alone, all but the output...), what it holds stashed, every
+   block's decisions in the plans given — and runs of blocks recomputed as one region (√N's segments).
+3. **Each entry measured** once on the middle blocks in the memory model (:func:`measure`): what it saves
+   while the blocks wait for their backward, the memory at their own forward and backward positions, its
+   cost. Dominated entries go; what is left of single blocks is tried again with its held tensors stashed,
+   the cheapest per byte first.
+4. **One entry per block** by dynamic programming over the blocks in forward order (:func:`choose`), the
+   state being the bytes saved by the blocks before: the backward of block ``j`` happens while blocks
+   ``0..j-1`` hold what they keep, so a block's peak is its own positions' memory less those savings.
+5. **Checked in full**: the chosen plan's peak in the memory model; the DP runs again under a budget tighter by
+   the overshoot where the blocks' interactions make it exceed the budget.
+
+The result is a plan in the search's maps, which the search verifies and polishes like any other.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from autorecompute.decisions import Op
+from autorecompute.memory_model import effective_stash, extra_cost, memory_timeline, predicted_peak
+from autorecompute.problem import Problem
+from autorecompute.solvers.greedy import lowest_start as greedy_lowest_start, stash_all
+from autorecompute.solvers.segment_plans import per_block_plan
+
+SearchPlan = tuple[dict, dict]        # (op → Op or bool, activation → stash action), as greedy.SearchPlan
+MIN_BLOCKS = 4                        # fewer alike blocks are planned whole
+SAVING_STEPS = 4096                   # the DP's resolution in saved bytes over the whole stack
+MAX_TIGHTENINGS = 4
+STASH_FRACTIONS = (0.1, 0.25, 0.5, 1.0)
+REGION_GRID = 14                      # a block's regions in the menu begin and end at one of this many points
+MAX_WIDTH = 8                         # the most blocks one region of the menu spans
+LOWEST_MARGINS = (0.0, 0.005, 0.01, 0.02, 0.05)   # above the DP's least peak, where the full check tries it
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Alike blocks, in chain order: their ops; the activations their ops own, by slot (the owner's position
+    in the block, the activation's among the owner's), a slot of one block being the same tensor's in every
+    other (where it is an activation: the last block's output may be the graph's); and each block's first and
+    last forward position and first and last backward position."""
+
+    blocks: tuple[tuple[str, ...], ...]
+    activations: tuple[dict[tuple[int, int], str], ...]
+    forward: tuple[tuple[int, int], ...]
+    backward: tuple[tuple[int, int], ...]
+
+    @property
+    def middle(self) -> int:
+        return len(self.blocks) // 2
+
+
+@dataclass(frozen=True)
+class Template:
+    """A block's decisions by position: each op's :class:`Op`, and (slot, action) for the activations its ops
+    own that are stashed (:attr:`Stack.activations`)."""
+
+    ops: tuple[Op, ...]
+    stash: tuple[tuple[tuple[int, int], str], ...] = ()
+
+
+Segment = tuple  # the Templates of consecutive blocks (one region across them, when they recompute all)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A menu entry as the DP sees it: the templates of the consecutive blocks it decides, the bytes they save
+    while they wait for their backward, the change they make at each of their own positions (their forward,
+    then their backward, each from its first position), and their extra cost."""
+
+    segment: Segment
+    saving: int
+    forward_delta: tuple[int, ...]
+    backward_delta: tuple[int, ...]
+    cost: int
+
+    @property
+    def width(self) -> int:
+        return len(self.segment)
+
+
+def find_stack(problem: Problem) -> Stack | None:
+    """The most numerous alike blocks of ``problem.blocks`` (at least :data:`MIN_BLOCKS`), None without.
+
+    Example: four blocks of two ops, run forward in order and backward in reverse.
+
+        >>> ops = tuple(f"{k}{j}" for j in range(4) for k in "ab")
+        >>> problem = Problem(chain=ops, recomputable=frozenset(ops), cost=dict.fromkeys(ops, 1), flops={},
+        ...                   activations=(), fixed=(0,) * 16, num_forward=8,
+        ...                   backward_op={8 + i: op for i, op in enumerate(reversed(ops))},
+        ...                   blocks=tuple(ops[i:i + 2] for i in range(0, 8, 2)),
+        ...                   forward_position={op: i for i, op in enumerate(ops)})
+        >>> find_stack(problem).forward, find_stack(problem).backward[0]
+        (((0, 1), (2, 3), (4, 5), (6, 7)), (14, 15))
+    """
+    families: dict[tuple, list[tuple[str, ...]]] = {}
+    for block in problem.blocks:
+        key = tuple(problem.cost.get(op) for op in block)   # (the last block's output may not be recomputable)
+        families.setdefault(key, []).append(block)
+    if not families or not problem.forward_position:
+        return None
+    blocks = max(families.values(), key=lambda family: (len(family), len(family[0])))
+    if len(blocks) < MIN_BLOCKS:
+        return None
+    backward = problem.backward_positions
+    forward_spans, backward_spans = [], []
+    for block in blocks:
+        if any(op not in problem.forward_position for op in block) or not any(op in backward for op in block):
+            return None
+        forward_spans.append(_span(problem.forward_position[op] for op in block))
+        backward_spans.append(_span(backward[op] for op in block if op in backward))
+    if not _in_turn(forward_spans, backward_spans):
+        return None
+    owned: dict[str, list[str]] = {}
+    for act in problem.activations:
+        owned.setdefault(act.owner, []).append(act.name)
+    activations = tuple({(q, k): name for q, op in enumerate(block) for k, name in enumerate(owned.get(op, ()))}
+                        for block in blocks)
+    return Stack(tuple(blocks), activations, tuple(forward_spans), tuple(backward_spans))
+
+
+def _span(positions) -> tuple[int, int]:
+    positions = list(positions)
+    return min(positions), max(positions)
+
+
+def _in_turn(forward: list[tuple[int, int]], backward: list[tuple[int, int]]) -> bool:
+    """Whether the blocks run one after another: forward spans in order, backward spans in reverse order."""
+    return all(a[1] < b[0] for a, b in zip(forward, forward[1:])) and \
+        all(b[1] < a[0] for a, b in zip(backward, backward[1:]))
+
+
+def template_of(stack: Stack, j: int, plan: SearchPlan) -> Template:
+    """Block ``j``'s decisions in ``plan``, by position."""
+    recompute, stash = plan
+    ops = tuple(Op(int(recompute.get(op, False))) for op in stack.blocks[j])
+    return Template(ops, tuple((slot, stash[a]) for slot, a in stack.activations[j].items() if a in stash))
+
+
+def apply_template(problem: Problem, stack: Stack, j: int, plan: SearchPlan, template: Template) -> None:
+    """Block ``j`` of ``plan`` takes ``template``'s decisions. In place."""
+    recompute, stash = plan
+    for op, decision in zip(stack.blocks[j], template.ops):
+        if op in problem.recomputable:
+            recompute[op] = decision
+    for name in stack.activations[j].values():
+        stash.pop(name, None)
+    for slot, action in template.stash:
+        if slot in stack.activations[j]:
+            stash[stack.activations[j][slot]] = action
+
+
+def _with_blocks(problem: Problem, stack: Stack, base: SearchPlan, templates: Mapping[int, Template]) -> SearchPlan:
+    plan = (dict(base[0]), dict(base[1]))
+    for j, template in templates.items():
+        apply_template(problem, stack, j, plan, template)
+    return plan
+
+
+def menu(problem: Problem, stack: Stack, plans: list[SearchPlan]) -> list[Segment]:
+    """Segments worth pricing: for one block, keep-all, the block as one region, the block with all it holds
+    stashed (:func:`_stashed`), one region over each stretch of it (:func:`_regions`) and every block's
+    decisions in ``plans``; then runs of 2 to :data:`MAX_WIDTH` blocks recomputed as one region (√N's
+    segments: one input held for all of them). Distinct, in that order."""
+    block = stack.blocks[stack.middle]
+    recomputable = [op in problem.recomputable for op in block]
+    keep = Template(tuple(Op.KEEP for _ in block))
+    first = recomputable.index(True) if any(recomputable) else 0
+    whole = Template(tuple(Op.KEEP if not r else Op.NEW_REGION if k == first else Op.RECOMPUTE
+                           for k, r in enumerate(recomputable)))
+    onward = Template(tuple(Op.RECOMPUTE if r else Op.KEEP for r in recomputable))
+    singles = [keep, whole, *_stashed(problem, stack, keep), *_regions(problem, block)]
+    singles += [template_of(stack, j, plan) for plan in plans for j in range(len(stack.blocks))]
+    runs = [(whole, *[onward] * (width - 1)) for width in range(2, min(MAX_WIDTH, len(stack.blocks)) + 1)]
+    return list(dict.fromkeys([(t,) for t in singles] + runs))
+
+
+def _stashed(problem: Problem, stack: Stack, template: Template) -> list[Template]:
+    """``template`` with what its block holds stashed, the way leaving fewest bytes and the cheapest way
+    (:func:`greedy.stash_all`); none without stash options."""
+    if not problem.stash_options:
+        return []
+    m, stashed = stack.middle, []
+    for prefer in ("memory", "cost"):
+        recompute = {op: False for op in problem.recomputable}
+        plan = (recompute, {})
+        apply_template(problem, stack, m, plan, template)
+        stashed.append(template_of(stack, m, (recompute, stash_all(problem, recompute, prefer))))
+    return stashed
+
+
+def _stash_variants(problem: Problem, stack: Stack, template: Template) -> list[Template]:
+    """``template`` with the first :data:`STASH_FRACTIONS` of its block's stashable tensors stashed, ranked by
+    the cost per byte of their cheapest option (a rematerialization of a cheap op first, an offload last)."""
+    m = stack.middle
+    recompute = {op: False for op in problem.recomputable}
+    apply_template(problem, stack, m, (recompute, {}), template)
+    by_name = problem.indexed.by_name
+    ranked = []
+    for name in stack.activations[m].values():
+        act = problem.activations[by_name[name]]
+        options = [o for o in problem.stash_options.get(name, ()) if not o.delivers]
+        if options:
+            option = min(options, key=lambda o: o.cost / max(1, act.nbytes - o.stored_bytes))
+            ranked.append((option.cost / max(1, act.nbytes - option.stored_bytes), name, option.action))
+    ranked.sort()
+    variants = []
+    for fraction in STASH_FRACTIONS:
+        chosen = {name: action for _, name, action in ranked[:max(1, round(fraction * len(ranked)))]}
+        variants.append(template_of(stack, m, (recompute, effective_stash(problem, recompute, chosen))))
+    return list(dict.fromkeys(v for v in variants if v != template)) if ranked else []
+
+
+def _regions(problem: Problem, block: tuple[str, ...]) -> list[Template]:
+    """One region over each stretch of the block (both ends on a grid of at most :data:`REGION_GRID` points):
+    the MLP alone, the attention alone, all but the output..."""
+    step = max(1, math.ceil(len(block) / REGION_GRID))
+    recomputable = [op in problem.recomputable for op in block]
+    templates = []
+    for a in range(0, len(block), step):
+        for b in range(a + step, len(block) + step, step):
+            templates.append(Template(tuple((Op.NEW_REGION if k == a else Op.RECOMPUTE) if a <= k < b and r else Op.KEEP
+                                            for k, r in enumerate(recomputable))))
+    return templates
+
+
+def measure(problem: Problem, stack: Stack, base: SearchPlan, base_timeline: np.ndarray, base_cost: int,
+            segment: Segment) -> Measured:
+    """``segment`` on the middle blocks of ``base`` (whose blocks keep everything), against ``base``."""
+    first = max(0, min(stack.middle - len(segment) // 2, len(stack.blocks) - len(segment)))
+    plan = _with_blocks(problem, stack, base, {first + k: template for k, template in enumerate(segment)})
+    delta = np.asarray(memory_timeline(problem, *plan), dtype=np.int64) - base_timeline
+    (fa, fb), (ba, bb) = _own_spans(stack, first, len(segment))
+    waiting = delta[fb + 1:ba]
+    return Measured(segment, saving=-int(waiting.max()) if len(waiting) else 0,
+                    forward_delta=tuple(delta[fa:fb + 1].tolist()), backward_delta=tuple(delta[ba:bb + 1].tolist()),
+                    cost=extra_cost(problem, *plan) - base_cost)
+
+
+def _own_spans(stack: Stack, first: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The forward and the backward positions of blocks ``first .. first + width - 1``."""
+    last = first + width - 1
+    return (stack.forward[first][0], stack.forward[last][1]), (stack.backward[last][0], stack.backward[first][1])
+
+
+def _own_peaks(stack: Stack, timeline: np.ndarray, entry: Measured) -> np.ndarray:
+    """For each first block, the highest memory of its segment's own positions with ``entry``, the blocks
+    before it keeping all (none where the segment runs past the last block)."""
+    peaks = np.full(len(stack.blocks), 2 ** 60, dtype=np.int64)
+    for j in range(len(stack.blocks) - entry.width + 1):
+        (fa, fb), (ba, bb) = _own_spans(stack, j, entry.width)
+        peaks[j] = max(_with_delta(timeline[fa:fb + 1], entry.forward_delta),
+                       _with_delta(timeline[ba:bb + 1], entry.backward_delta))
+    return peaks
+
+
+def _with_delta(memory: np.ndarray, delta: tuple[int, ...]) -> int:
+    """The highest of ``memory`` changed by ``delta`` position by position; where a block's span is not as
+    long as the measured one's (an op of the model's own interleaved in one layer: the rotary tables made in
+    the first), the bound of their two highest."""
+    if len(memory) == len(delta):
+        return int((memory + np.asarray(delta)).max())
+    return int(memory.max()) + max(delta, default=0)
+
+
+def _outside_peaks(problem: Problem, stack: Stack, timeline: np.ndarray) -> np.ndarray:
+    """``[k]``: the highest memory, all blocks keeping all, at the positions no block owns while blocks
+    ``0..k-1`` wait for their backward (forward: those whose forward ended; backward: those not yet begun)."""
+    own = np.zeros(len(timeline), dtype=bool)
+    for (fa, fb), (ba, bb) in zip(stack.forward, stack.backward):
+        own[fa:fb + 1] = True
+        own[ba:bb + 1] = True
+    ends = np.array([fb for _, fb in stack.forward])
+    starts = np.array([ba for ba, _ in stack.backward])
+    peaks = np.full(len(stack.blocks) + 1, -(2 ** 60), dtype=np.int64)
+    for p in np.nonzero(~own)[0]:
+        waiting = int((ends < p).sum()) if p < problem.num_forward else int((starts > p).sum())
+        peaks[waiting] = max(peaks[waiting], timeline[p])
+    return peaks
+
+
+def choose(entries: list[Measured], own: list[np.ndarray], outside: np.ndarray, budget: int) -> list[int] | None:
+    """The least-cost entries covering the blocks in order (indices into ``entries``) whose memory stays under
+    ``budget``, by the blocks' savings (:class:`Measured`): ``own[t][j]``, entry ``t``'s peak from block ``j``
+    (:func:`_own_peaks`), and ``outside[k]`` (:func:`_outside_peaks`), less what the blocks before save; None
+    when no choice fits.
+
+    The state after ``j`` blocks is the bytes they save, in buckets of about 1/:data:`SAVING_STEPS` of the
+    most the stack can save; each bucket keeps its cheapest path (the one saving most among equals) with its
+    exact saving, which every memory check reads.
+    """
+    blocks = len(outside) - 1
+    unit = max(1, max(max(e.saving for e in entries), 1) * blocks // SAVING_STEPS)
+    steps = [round(e.saving / unit) for e in entries]
+    low, high = min(0, *steps) * blocks, max(0, *steps) * blocks
+    never = np.iinfo(np.int64).max // 4
+    cost = [np.full(high - low + 1, never, dtype=np.int64) for _ in range(blocks + 1)]
+    saved = [np.zeros(high - low + 1, dtype=np.int64) for _ in range(blocks + 1)]  # exact bytes saved
+    pick = [np.full(high - low + 1, -1) for _ in range(blocks + 1)]
+    came = [np.full(high - low + 1, -1) for _ in range(blocks + 1)]
+    cost[0][-low] = 0
+    for j in range(blocks + 1):
+        cost[j][outside[j] - saved[j] > budget] = never
+        if j == blocks:
+            break
+        for t, entry in enumerate(entries):
+            if j + entry.width > blocks:
+                continue
+            origin = np.nonzero((cost[j] < never) & (own[t][j] - saved[j] <= budget))[0]
+            to = j + entry.width
+            target, total, after = origin + steps[t], cost[j][origin] + entry.cost, saved[j][origin] + entry.saving
+            better = (total < cost[to][target]) | ((total == cost[to][target]) & (after > saved[to][target]))
+            target, origin = target[better], origin[better]
+            cost[to][target], saved[to][target], pick[to][target], came[to][target] = \
+                total[better], after[better], t, origin
+    return _path(entries, cost[blocks], pick, came, never)
+
+
+def _path(entries: list[Measured], final: np.ndarray, pick: list, came: list, never: int) -> list[int] | None:
+    """The entries of the cheapest final state, first block first."""
+    state = int(np.argmin(final))
+    if final[state] >= never:
+        return None
+    j, picks = len(pick) - 1, []
+    while j > 0:
+        t = int(pick[j][state])
+        picks.append(t)
+        state, j = int(came[j][state]), j - entries[t].width
+    return picks[::-1]
+
+
+@dataclass
+class _Base:
+    """A plan whose blocks keep all (its decisions outside the stack are used), the menu measured on it, and
+    the peaks :func:`choose` reads."""
+
+    plan: SearchPlan
+    timeline: np.ndarray
+    entries: list[Measured]
+    own: list[np.ndarray]
+    outside: np.ndarray
+
+    @classmethod
+    def of(cls, problem: Problem, stack: Stack, plan: SearchPlan, timeline: np.ndarray,
+           entries: list[Measured]) -> "_Base":
+        return cls(plan, timeline, entries, [_own_peaks(stack, timeline, e) for e in entries],
+                   _outside_peaks(problem, stack, timeline))
+
+    def choose(self, budget: int) -> list[int] | None:
+        return choose(self.entries, self.own, self.outside, budget)
+
+
+class ByLayers:
+    """The layered planner of one problem with a stack: the menu measured once, then
+    :meth:`cheapest` under any budget and :meth:`lowest` (the least peak the menu reaches) in milliseconds.
+
+    ``plans`` give the decisions outside the stack (embeddings, the head, the loss) and menu entries.
+    """
+
+    def __init__(self, problem: Problem, stack: Stack, plans: list[SearchPlan]):
+        self.problem, self.stack, self.plans = problem, stack, plans
+        segments = menu(problem, stack, plans)
+        keep = dict.fromkeys(range(len(stack.blocks)), segments[0][0])
+        first = _with_blocks(problem, stack, plans[0], keep)
+        timeline = np.asarray(memory_timeline(problem, *first), dtype=np.int64)
+        cost = extra_cost(problem, *first)
+        entries = _undominated([measure(problem, stack, first, timeline, cost, segment) for segment in segments])
+        # what is left of one block is tried again with its held tensors stashed, the cheapest per byte first
+        entries = _undominated(entries + [
+            measure(problem, stack, first, timeline, cost, (stashed,)) for entry in entries if entry.width == 1
+            for stashed in _stash_variants(problem, stack, entry.segment[0])])
+        # measured on the first plan only: a block's decisions change the step alike whatever the head does
+        # (the whole plan is checked in the memory model all the same)
+        self.bases = [_Base.of(problem, stack, first, timeline, entries)]
+        for plan in plans[1:]:
+            base = _with_blocks(problem, stack, plan, keep)
+            self.bases.append(_Base.of(problem, stack, base, np.asarray(memory_timeline(problem, *base),
+                                                                         dtype=np.int64), entries))
+
+    def cheapest(self, budget: int) -> SearchPlan | None:
+        """The cheapest plan over the bases whose peak in the memory model is under ``budget``; None if none."""
+        found = [plan for plan in (self._from(base, budget) for base in self.bases) if plan is not None]
+        return min(found, key=lambda plan: extra_cost(self.problem, *plan), default=None)
+
+    def lowest(self) -> SearchPlan:
+        """The plan of least peak in the memory model that :meth:`cheapest` finds: the DP bisected on the
+        budget to 1/500 of the range, then checked in full (a little higher where the blocks' interactions
+        make the DP's pick exceed it); or the lowest of the plans given."""
+        fallback = min(self.plans, key=lambda plan: predicted_peak(self.problem, *plan))
+        ceiling = predicted_peak(self.problem, *fallback)
+        low, high = max(self.problem.fixed), ceiling
+        while high - low > max(1, high // 500):
+            middle = (low + high) // 2
+            if any(base.choose(middle) is not None for base in self.bases):
+                high = middle
+            else:
+                low = middle
+        for margin in LOWEST_MARGINS:
+            found = self.cheapest(int(high * (1 + margin)))
+            if found is not None and predicted_peak(self.problem, *found) < ceiling:
+                return found
+        return fallback
+
+    def _from(self, base: _Base, budget: int) -> SearchPlan | None:
+        """:func:`choose` over ``base``, tightened while the whole plan is over ``budget``."""
+        internal = budget
+        for _ in range(MAX_TIGHTENINGS):
+            picks = base.choose(internal)
+            if picks is None:
+                return None
+            plan = _with_blocks(self.problem, self.stack, base.plan, _blocks_of(base.entries, picks))
+            peak = predicted_peak(self.problem, *plan)
+            if peak <= budget:
+                return plan
+            internal -= peak - budget
+        return None
+
+
+def _undominated(entries: list[Measured]) -> list[Measured]:
+    """The entries no other of their width beats — saving as much or more, costing as little or less, as low
+    at their own positions — nor equals earlier in the list (keep-all, first, stays)."""
+    scores = [(e.width, e.saving, e.cost, max(e.forward_delta, default=0), max(e.backward_delta, default=0))
+              for e in entries]
+
+    def beaten(i: int) -> bool:
+        w, saving, cost, forward, backward = scores[i]
+        for j, (w2, saving2, cost2, forward2, backward2) in enumerate(scores):
+            if j != i and w2 == w and saving2 >= saving and cost2 <= cost and forward2 <= forward \
+                    and backward2 <= backward and (scores[j] != scores[i] or j < i):
+                return True
+        return False
+    return [entry for i, entry in enumerate(entries) if i == 0 or not beaten(i)]
+
+
+def plan_by_layers(problem: Problem, budget: int, plans: list[SearchPlan]) -> SearchPlan | None:
+    """The cheapest plan :class:`ByLayers` finds under ``budget`` from ``plans``; None without a stack or a fit."""
+    stack = find_stack(problem)
+    if stack is None or not plans:
+        return None
+    return ByLayers(problem, stack, plans).cheapest(budget)
+
+
+def _blocks_of(entries: list[Measured], picks: list[int]) -> dict[int, Template]:
+    """Block index → template, for the entries ``picks`` laid end to end from the first block."""
+    templates, j = {}, 0
+    for t in picks:
+        for template in entries[t].segment:
+            templates[j] = template
+            j += 1
+    return templates
+
+
+def planner_of(problem: Problem) -> ByLayers | None:
+    """The problem's :class:`ByLayers` (made once, from keep-all and per-block checkpointing, each also with
+    every tensor stashed), None without a stack."""
+
+    def make() -> ByLayers | None:
+        stack = find_stack(problem)
+        if stack is None:
+            return None
+        keep = {op: False for op in problem.recomputable}
+        per_block = per_block_plan(problem) or keep
+        bases = [(keep, {}), (per_block, {})]
+        if problem.stash_options:      # the head and embeddings' tensors stashed too: the lowest peaks
+            bases += [(plan, stash_all(problem, plan, "memory")) for plan in (keep, per_block)]
+        return ByLayers(problem, stack, bases)
+    return problem.derived("layered.ByLayers", make)
+
+
+def lowest_start(problem: Problem) -> SearchPlan:
+    """The layered minimum-peak start (:meth:`ByLayers.lowest`); for a problem without a stack, greedy's."""
+    planner = planner_of(problem)
+    if planner is None:
+        return greedy_lowest_start(problem)
+    return planner.lowest()
+
+
+def cheapest_under(problem: Problem, budget: int) -> SearchPlan | None:
+    """The layered plan under ``budget`` (:meth:`ByLayers.cheapest`); None without a stack or a fit."""
+    planner = planner_of(problem)
+    return None if planner is None else planner.cheapest(budget)

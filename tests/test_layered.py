@@ -1,0 +1,106 @@
+"""Planning by layers (autorecompute/solvers/layered.py): the stack found in the captured graph, the dynamic
+programme against brute force over the same block decisions, and deeper models planned by their layers —
+within budget, with eager's gradients."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import autorecompute
+import models
+from autorecompute.memory_model import extra_cost, predicted_peak
+from autorecompute.passes.build_problem import build_problem
+from autorecompute.passes.capture import capture
+from autorecompute.passes.profile import profile_step
+from autorecompute.search import Strategies
+from autorecompute.solvers import layered
+from harness import assert_bitwise_equal, measured_step
+
+
+def _problem(case: models.Case, **options):
+    gm = capture(case.model, case.args, case.kwargs)
+    profile_step(gm, case.args, case.kwargs)
+    return build_problem(gm, **options)
+
+
+def test_the_stack_is_the_decoder_layers_found_in_the_graph():
+    problem = _problem(models.llama(layers=6, batch=2, sequence=32))
+    stack = layered.find_stack(problem)
+    assert stack is not None and len(stack.blocks) == 6
+    assert set(stack.blocks) <= set(problem.blocks)
+    assert len({len(block) for block in stack.blocks}) == 1
+    # one after another: forward in order, backward in reverse, no span inside another
+    assert all(a[1] < b[0] for a, b in zip(stack.forward, stack.forward[1:]))
+    assert all(b[1] < a[0] for a, b in zip(stack.backward, stack.backward[1:]))
+
+
+def test_three_layers_are_too_few_for_a_stack():
+    assert layered.find_stack(_problem(models.llama(layers=3, batch=2, sequence=32))) is None
+
+
+def _brute_force(problem, stack: layered.Stack, templates, budget: int) -> int | None:
+    """The least cost of any assignment of ``templates`` to the blocks that fits ``budget`` in the model."""
+    keep = {op: False for op in problem.recomputable}
+    best = None
+    for chosen in itertools.product(templates, repeat=len(stack.blocks)):
+        plan = layered._with_blocks(problem, stack, (keep, {}), dict(enumerate(chosen)))
+        if predicted_peak(problem, *plan) <= budget:
+            cost = extra_cost(problem, *plan)
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.75, 0.9])
+def test_the_layers_dynamic_programme_matches_brute_force(fraction):
+    """Four MLP blocks, recompute only: every assignment of the menu's block decisions (those of its runs
+    included: a region opened, one continued) tried in the memory model. The DP's plan fits the budget and
+    costs what the cheapest fitting assignment costs."""
+    torch.manual_seed(0)
+    case = models.Case("mlp", models.MLP(layers=4, d=32), (torch.randn(256, 32),))
+    problem = _problem(case)
+    stack = layered.find_stack(problem)
+    keep = {op: False for op in problem.recomputable}
+    planner = layered.ByLayers(problem, stack, [(keep, {})])
+    templates = list(dict.fromkeys(t for entry in planner.bases[0].entries for t in entry.segment))
+    unoptimized, lowest = predicted_peak(problem, keep), predicted_peak(problem, *planner.lowest())
+    budget = int(lowest + fraction * (unoptimized - lowest))
+    found = planner.cheapest(budget)
+    assert found is not None and predicted_peak(problem, *found) <= budget
+    assert extra_cost(problem, *found) == _brute_force(problem, stack, templates, budget)
+
+
+@pytest.mark.slow
+def test_a_six_layer_decoder_is_planned_by_layers_within_budget_with_eagers_gradients():
+    case = models.llama(layers=6)
+    model = case.model
+    eager = measured_step(model, model, case.args, case.kwargs, seed=1)
+    compiled = autorecompute.compile(model, budget=0.6, loss_reserve=0)
+    planned = measured_step(compiled, model, case.args, case.kwargs, seed=1)
+    plan = compiled.plan
+    assert plan.solver_status.startswith("feasible (by layers")
+    assert planned.peak <= plan.budget < eager.peak
+    assert plan.count("recompute") > 0
+    assert_bitwise_equal(planned, eager)
+
+
+def test_a_time_limit_given_asks_for_the_whole_model_search():
+    from autorecompute.planner import PlannerOptions, search_setup
+
+    problem = _problem(models.llama(layers=4, batch=2, sequence=32))
+    assert search_setup(problem, PlannerOptions()) == (1.0, Strategies.by_layers())
+    assert search_setup(problem, PlannerOptions(solver_time_limit=3.0)) == (3.0, Strategies())
+
+
+def test_the_minimum_planned_by_layers_is_a_budget_that_plans():
+    """``minimum_peak`` with the default search (by layers, then the whole model below what the layers reach)
+    is a budget ``plan`` meets, measured so."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)])
+    x = torch.randn(512, 64)
+    low = autorecompute.minimum_peak(model, x, actions=("recompute",))
+    plan = autorecompute.plan(model, x, budget=low, actions=("recompute",))
+    assert plan.predicted_peak <= low < plan.baseline_peak
+    compiled = autorecompute.compile(model, budget=low, actions=("recompute",), loss_reserve=0)
+    assert measured_step(compiled, model, (x,), {}).peak <= low
