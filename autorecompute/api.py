@@ -700,7 +700,7 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
         autorecompute.CaptureError: on the first training call, if the model cannot be captured.
     """
     model = _original(model)
-    _warn_if_checkpointing_itself(model, parse_budget(budget))
+    parse_budget(budget)     # a malformed budget is refused now, not at the first step
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective,
                        loss_reserve, "kept" if outputs == "auto" else outputs)
     return CompiledModule(model, budget, options, learn_outputs=outputs == "auto")
@@ -823,23 +823,6 @@ def _original(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _warn_if_checkpointing_itself(model: torch.nn.Module, budget: int | float) -> None:
-    """Warns when ``budget`` (parsed) is a fraction and the model checkpoints itself (a Hugging Face model
-    after ``activation_checkpointing_enable()``): it is captured without its checkpoints — the plan decides
-    what is recomputed — so the fraction is of the peak without them, which can be above the peak the
-    model reached with them."""
-    if not isinstance(budget, float):
-        return
-    if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
-        warnings.warn(
-            f"{type(model).__name__} checkpoints itself (gradient_checkpointing is on): autorecompute captures it "
-            f"without its checkpoints and plans every activation, so budget={budget} is a fraction of the peak "
-            "without them, which can be above the peak it reached with them. Fix: give the budget in bytes, or "
-            "turn the model's own checkpointing off (Hugging Face: activation_checkpointing_disable(), before "
-            "transformers 5 gradient_checkpointing_disable()).",
-            UserWarning, stacklevel=3)
-
-
 def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tuple[str, ...] = DEFAULT_ACTIONS,
          compress_dtypes: tuple[str, ...] | None = None, offload_dir: str | None = None,
          transfer: TransferModel | None = None, solver_time_limit: float | None = None, seed: int = 0,
@@ -860,7 +843,6 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
     """
     model = _original(model)
     _check_model_keywords(model, kwargs, plan)
-    _warn_if_checkpointing_itself(model, parse_budget(budget))
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective,
                        loss_reserve, outputs)
     return _plan(model, args, kwargs, budget, options)
@@ -883,7 +865,9 @@ def minimum_peak(model: torch.nn.Module, *args, actions: tuple[str, ...] = DEFAU
 
     It is measured, as every plan is, on fake tensors: model and inputs may be on the ``meta`` device.
     Gradients the model holds now count, as they would in the step (``model.zero_grad(set_to_none=True)``
-    first for the step that starts without them). The solver spends its whole time limit on it.
+    first for the step that starts without them). A model of repeated layers gets its layers' minimum (by
+    default: in the seconds a plan takes); with a ``solver_time_limit``, the whole-model search spends its whole
+    limit on it.
 
     Example:
         >>> import autorecompute, torch

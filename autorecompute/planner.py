@@ -55,6 +55,7 @@ OUTPUTS = ("kept", "dropped")     # held by the caller through backward (out = m
 DEFAULT_ACTIONS = ("recompute", "offload")      # the lossless ones
 WHOLE_MODEL_TIME_LIMIT = 8.0     # the default solver_time_limit of a graph planned as a whole
 BY_LAYERS_TIME_LIMIT = 1.0       # ... of one planned by its layers: the local searches' work after the DP
+WHOLE_MODEL_BELOW = 0.95         # budgets this close under the layers' minimum get the whole-model search too
 
 
 
@@ -218,8 +219,8 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     profile = profile_step(gm, args, kwargs, options.loss_reserve, keep)
     key = _cache_key(gm, signature, budget, options, entered, _device_type(args, kwargs))
     cached = plan_cache.load(key) if key else None
-    if cached is not None and cached.resident == dict(profile.resident) and cached.loss_reserve == profile.loss_reserve \
-            and cached.outputs == options.outputs:
+    if cached is not None and cached.resident == dict(profile.resident) \
+            and cached.loss_reserve == profile.loss_reserve and cached.outputs == options.outputs:
         # (a step that holds more besides the plan — optimizer state made since, other tensors on the device —
         # is planned again)
         runtime = StashRuntime(options.offload_dir) if cached.stash else None
@@ -232,7 +233,8 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
               len(problem.stash_options))
     reserve = profile.loss_reserve
     baseline_peak = _unoptimized_peak(gm, args, kwargs, profile.peak, reserve, keep)
-    budget_bytes = resolve_budget(parsed, baseline_peak)
+    base = _fraction_base(model, args, kwargs, parsed, baseline_peak, reserve, keep)
+    budget_bytes = resolve_budget(parsed, base)
     runtime = StashRuntime(options.offload_dir) if problem.stash_options else None
     verify = _verifier(gm, problem, runtime, args, kwargs, reserve, keep)
     search, found = _search(problem, budget_bytes, baseline_peak, gm, verify, options,
@@ -240,7 +242,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     if found is None:
         peak = search.minimum()[1]
         raise InfeasibleBudgetError(budget_bytes, peak, _breakdown(profile, peak), options.actions,
-                                    fraction=parsed if isinstance(parsed, float) else None, baseline=baseline_peak)
+                                    fraction=parsed if isinstance(parsed, float) else None, baseline=base)
     softmax_in_place, peak = _softmax_in_place(found.module, args, kwargs, budget_bytes, found.peak, reserve, keep)
     recompute, stash = found.decisions
     rewrite = rewrite_of(problem, recompute, stash, softmax_in_place)
@@ -272,14 +274,15 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
 
 def _search(problem: Problem, budget: int, baseline: int, gm: torch.fx.GraphModule, verify, options: PlannerOptions,
             in_thread) -> tuple[Search, object]:
-    """The search :func:`search_setup` chooses, run; where planning by layers finds nothing under the budget
-    (below the least peak its menu reaches), the whole-model search, whose minimum can be lower: a budget is
-    refused only when that finds nothing either."""
+    """The search :func:`search_setup` chooses, run; where planning by layers finds nothing under a budget
+    just below the least peak its menu reaches (within :data:`WHOLE_MODEL_BELOW`), the whole-model search,
+    whose minimum can be a little lower: such a budget is refused only when that finds nothing either. Far
+    below (``minimum_peak``'s one-byte budget), the layers' minimum is the answer, in their time."""
     time_limit, strategies = search_setup(problem, options)
     search = Search(problem, budget, baseline, gm, verify, time_limit, options.seed, options.objective, strategies,
                     in_thread=in_thread)
     found = search.run()
-    if found is None and strategies == Strategies.by_layers():
+    if found is None and strategies == Strategies.by_layers() and budget >= WHOLE_MODEL_BELOW * search.minimum()[1]:
         log.info("nothing by layers under %s (their minimum %s): the whole-model search", format_bytes(budget),
                  format_bytes(search.minimum()[1]))
         search = Search(problem, budget, baseline, gm, verify, WHOLE_MODEL_TIME_LIMIT, options.seed,
@@ -349,6 +352,26 @@ def _verifier(gm: torch.fx.GraphModule, problem: Problem, runtime: StashRuntime 
     def verify(decisions: SearchPlan) -> tuple[torch.nn.Module, int]:
         return verify_plan(gm, rewrite_of(problem, *decisions, captured), runtime, args, kwargs, reserve, keep_outputs)
     return verify
+
+
+def checkpoints_itself(model: torch.nn.Module) -> bool:
+    """Whether the model runs ``torch.utils.checkpoint`` itself (a Hugging Face model after
+    ``activation_checkpointing_enable()`` / ``gradient_checkpointing_enable()``). Capture traces through the
+    checkpoints, so the plan decides what is recomputed."""
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
+
+
+def _fraction_base(model: torch.nn.Module, args: tuple, kwargs: dict, parsed, unoptimized: int, reserve: int,
+                   keep_outputs: bool) -> int:
+    """What a fractional budget is a fraction of: the unoptimized step's peak, or, for a model that checkpoints
+    itself, the peak of its own step with its checkpoints where that is lower (measured on fake tensors), so
+    that compiling it never asks for more than the step it had at the same fraction."""
+    if not isinstance(parsed, float) or not checkpoints_itself(model):
+        return unoptimized
+    own = fake_step_memory(model, args, kwargs, reserve, keep_outputs).peak
+    log.info("%s checkpoints itself: its own step peaks at %s (unoptimized %s); budget=%s is a fraction of the "
+             "lower", type(model).__name__, format_bytes(own), format_bytes(unoptimized), parsed)
+    return min(own, unoptimized)
 
 
 def _unoptimized_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, profiled: int, reserve: int,

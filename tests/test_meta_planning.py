@@ -77,7 +77,8 @@ def test_attention_planned_on_meta_holds_what_a_fused_kernel_holds(dtype):
     def make(device):
         torch.manual_seed(0)
         with torch.device(device):
-            return torch.nn.Sequential(*[_Attention() for _ in range(3)]).to(dtype), torch.randn(2, 256, 64, dtype=dtype)
+            model = torch.nn.Sequential(*[_Attention() for _ in range(3)]).to(dtype)
+            return model, torch.randn(2, 256, 64, dtype=dtype)
 
     cpu, meta = (autorecompute.plan(*make(d), budget=1.0, solver_time_limit=0.5).baseline_peak for d in ("cpu", "meta"))
     assert cpu <= meta <= cpu * 1.001

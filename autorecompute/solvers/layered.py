@@ -8,8 +8,9 @@ as Rockmate and torchtitan's auto_perf_maxing do). So:
 1. **The stack** (:func:`find_stack`): the most numerous blocks of ``problem.blocks`` that are alike (the same
    ops at the same costs) and run one after another (forward in order, backward in reverse).
 2. **The menu** (:func:`menu`): block decisions (:class:`Template`) — keep-all, the block as one region,
-   one region over each stretch of it (the MLP alone, all but the output...), what it holds stashed, every
-   block's decisions in the plans given — and runs of blocks recomputed as one region (√N's segments).
+   one region over each stretch of it (the MLP alone, all but the output...), its ops cheapest per byte
+   recomputed wherever they are, what it holds stashed, every block's decisions in the plans given — and runs
+   of blocks recomputed as one region (√N's segments).
 3. **Each entry measured** once on the middle blocks in the memory model (:func:`measure`): what it saves
    while the blocks wait for their backward, the memory at their own forward and backward positions, its
    cost. Dominated entries go; what is left of single blocks is tried again with its held tensors stashed,
@@ -24,6 +25,7 @@ The result is a plan in the search's maps, which the search verifies and polishe
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Mapping
@@ -41,6 +43,7 @@ MIN_BLOCKS = 4                        # fewer alike blocks are planned whole
 SAVING_STEPS = 4096                   # the DP's resolution in saved bytes over the whole stack
 MAX_TIGHTENINGS = 4
 STASH_FRACTIONS = (0.1, 0.25, 0.5, 1.0)
+SELECTIVE_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.0)
 REGION_GRID = 14                      # a block's regions in the menu begin and end at one of this many points
 MAX_WIDTH = 8                         # the most blocks one region of the menu spans
 LOWEST_MARGINS = (0.0, 0.005, 0.01, 0.02, 0.05)   # above the DP's least peak, where the full check tries it
@@ -57,10 +60,29 @@ class Stack:
     activations: tuple[dict[tuple[int, int], str], ...]
     forward: tuple[tuple[int, int], ...]
     backward: tuple[tuple[int, int], ...]
+    op_forward: tuple[tuple[int, ...], ...] = ()         # each block's ops' forward positions
+    op_backward: tuple[tuple[int, ...], ...] = ()        # ... and backward positions (-1: none)
 
     @property
     def middle(self) -> int:
         return len(self.blocks) // 2
+
+    def position_maps(self, j: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """For each forward and backward position of the segment of ``width`` blocks from block ``j``, the
+        index of the position its entry was measured at: the same op's in the measured blocks plus the offset
+        from it (a block may run an op of the model's own besides its ops: the rotary tables Llama makes in its
+        first layer). Computed once per segment."""
+        maps = self.__dict__.setdefault("_maps", {})
+        if (j, width) not in maps:
+            at = _measured_at(self, width)
+            (fa, fb), (ba, bb) = _own_spans(self, j, width)
+            (ma, mb), (na, nb) = _own_spans(self, at, width)
+            forward = _aligned(range(fa, fb + 1), [(self.op_forward[j + k], self.op_forward[at + k])
+                                                   for k in range(width)]) - ma
+            backward = _aligned(range(ba, bb + 1), [(self.op_backward[j + k], self.op_backward[at + k])
+                                                    for k in range(width)]) - na
+            maps[(j, width)] = (np.clip(forward, 0, mb - ma), np.clip(backward, 0, nb - na))
+        return maps[(j, width)]
 
 
 @dataclass(frozen=True)
@@ -129,7 +151,9 @@ def find_stack(problem: Problem) -> Stack | None:
         owned.setdefault(act.owner, []).append(act.name)
     activations = tuple({(q, k): name for q, op in enumerate(block) for k, name in enumerate(owned.get(op, ()))}
                         for block in blocks)
-    return Stack(tuple(blocks), activations, tuple(forward_spans), tuple(backward_spans))
+    op_forward = tuple(tuple(problem.forward_position[op] for op in block) for block in blocks)
+    op_backward = tuple(tuple(backward.get(op, -1) for op in block) for block in blocks)
+    return Stack(tuple(blocks), activations, tuple(forward_spans), tuple(backward_spans), op_forward, op_backward)
 
 
 def _span(positions) -> tuple[int, int]:
@@ -172,8 +196,8 @@ def _with_blocks(problem: Problem, stack: Stack, base: SearchPlan, templates: Ma
 
 def menu(problem: Problem, stack: Stack, plans: list[SearchPlan]) -> list[Segment]:
     """Segments worth pricing: for one block, keep-all, the block as one region, the block with all it holds
-    stashed (:func:`_stashed`), one region over each stretch of it (:func:`_regions`) and every block's
-    decisions in ``plans``; then runs of 2 to :data:`MAX_WIDTH` blocks recomputed as one region (√N's
+    stashed (:func:`_stashed`), one region over each stretch of it (:func:`_regions`), its cheapest ops per
+    byte recomputed wherever they are (:func:`_selective`) and every block's decisions in ``plans``; then runs of 2 to :data:`MAX_WIDTH` blocks recomputed as one region (√N's
     segments: one input held for all of them). Distinct, in that order."""
     block = stack.blocks[stack.middle]
     recomputable = [op in problem.recomputable for op in block]
@@ -182,7 +206,7 @@ def menu(problem: Problem, stack: Stack, plans: list[SearchPlan]) -> list[Segmen
     whole = Template(tuple(Op.KEEP if not r else Op.NEW_REGION if k == first else Op.RECOMPUTE
                            for k, r in enumerate(recomputable)))
     onward = Template(tuple(Op.RECOMPUTE if r else Op.KEEP for r in recomputable))
-    singles = [keep, whole, *_stashed(problem, stack, keep), *_regions(problem, block)]
+    singles = [keep, whole, *_stashed(problem, stack, keep), *_regions(problem, block), *_selective(problem, block)]
     singles += [template_of(stack, j, plan) for plan in plans for j in range(len(stack.blocks))]
     runs = [(whole, *[onward] * (width - 1)) for width in range(2, min(MAX_WIDTH, len(stack.blocks)) + 1)]
     return list(dict.fromkeys([(t,) for t in singles] + runs))
@@ -224,6 +248,28 @@ def _stash_variants(problem: Problem, stack: Stack, template: Template) -> list[
     return list(dict.fromkeys(v for v in variants if v != template)) if ranked else []
 
 
+def _selective(problem: Problem, block: tuple[str, ...]) -> list[Template]:
+    """The block with its ops cheapest to run again per byte they hold recomputed, wherever they are (a
+    selective-checkpointing policy: elementwise ops again, matmul outputs kept), until each fraction of
+    :data:`SELECTIVE_FRACTIONS` of the bytes its ops hold for backward is recomputed."""
+    held: dict[str, int] = {}
+    for act in problem.activations:
+        if act.savers and act.owner in block:
+            held[act.owner] = held.get(act.owner, 0) + act.nbytes
+    ranked = sorted((op for op in block if op in problem.recomputable and held.get(op)),
+                    key=lambda op: problem.cost.get(op, 0) / held[op])
+    total, templates = sum(held[op] for op in ranked), []
+    for fraction in SELECTIVE_FRACTIONS:
+        chosen, covered = set(), 0
+        for op in ranked:
+            if covered >= fraction * total:
+                break
+            chosen.add(op)
+            covered += held[op]
+        templates.append(Template(tuple(Op.RECOMPUTE if op in chosen else Op.KEEP for op in block)))
+    return templates
+
+
 def _regions(problem: Problem, block: tuple[str, ...]) -> list[Template]:
     """One region over each stretch of the block (both ends on a grid of at most :data:`REGION_GRID` points):
     the MLP alone, the attention alone, all but the output..."""
@@ -240,7 +286,7 @@ def _regions(problem: Problem, block: tuple[str, ...]) -> list[Template]:
 def measure(problem: Problem, stack: Stack, base: SearchPlan, base_timeline: np.ndarray, base_cost: int,
             segment: Segment) -> Measured:
     """``segment`` on the middle blocks of ``base`` (whose blocks keep everything), against ``base``."""
-    first = max(0, min(stack.middle - len(segment) // 2, len(stack.blocks) - len(segment)))
+    first = _measured_at(stack, len(segment))
     plan = _with_blocks(problem, stack, base, {first + k: template for k, template in enumerate(segment)})
     delta = np.asarray(memory_timeline(problem, *plan), dtype=np.int64) - base_timeline
     (fa, fb), (ba, bb) = _own_spans(stack, first, len(segment))
@@ -256,24 +302,35 @@ def _own_spans(stack: Stack, first: int, width: int) -> tuple[tuple[int, int], t
     return (stack.forward[first][0], stack.forward[last][1]), (stack.backward[last][0], stack.backward[first][1])
 
 
+def _measured_at(stack: Stack, width: int) -> int:
+    """The first of the middle blocks a segment of ``width`` blocks is measured on."""
+    return max(0, min(stack.middle - width // 2, len(stack.blocks) - width))
+
+
 def _own_peaks(stack: Stack, timeline: np.ndarray, entry: Measured) -> np.ndarray:
     """For each first block, the highest memory of its segment's own positions with ``entry``, the blocks
     before it keeping all (none where the segment runs past the last block)."""
+    forward, backward = np.asarray(entry.forward_delta), np.asarray(entry.backward_delta)
     peaks = np.full(len(stack.blocks), 2 ** 60, dtype=np.int64)
     for j in range(len(stack.blocks) - entry.width + 1):
         (fa, fb), (ba, bb) = _own_spans(stack, j, entry.width)
-        peaks[j] = max(_with_delta(timeline[fa:fb + 1], entry.forward_delta),
-                       _with_delta(timeline[ba:bb + 1], entry.backward_delta))
+        to_forward, to_backward = stack.position_maps(j, entry.width)
+        peaks[j] = max((timeline[fa:fb + 1] + forward[to_forward]).max(),
+                       (timeline[ba:bb + 1] + backward[to_backward]).max())
     return peaks
 
 
-def _with_delta(memory: np.ndarray, delta: tuple[int, ...]) -> int:
-    """The highest of ``memory`` changed by ``delta`` position by position; where a block's span is not as
-    long as the measured one's (an op of the model's own interleaved in one layer: the rotary tables made in
-    the first), the bound of their two highest."""
-    if len(memory) == len(delta):
-        return int((memory + np.asarray(delta)).max())
-    return int(memory.max()) + max(delta, default=0)
+def _aligned(positions, pairs: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> np.ndarray:
+    """Each of ``positions`` moved from its blocks to the measured ones: by the op at or before it (in
+    position order) and the offset from that op; ``pairs`` gives each block's ops' positions and the measured
+    block's (-1: none)."""
+    anchors = sorted((src, dst) for ours, theirs in pairs for src, dst in zip(ours, theirs) if src >= 0 and dst >= 0)
+    sources = [src for src, _ in anchors]
+    moved = []
+    for p in positions:
+        src, dst = anchors[max(bisect.bisect_right(sources, p) - 1, 0)]
+        moved.append(dst + (p - src))
+    return np.asarray(moved, dtype=np.int64)
 
 
 def _outside_peaks(problem: Problem, stack: Stack, timeline: np.ndarray) -> np.ndarray:
@@ -465,16 +522,21 @@ def _blocks_of(entries: list[Measured], picks: list[int]) -> dict[int, Template]
 
 def planner_of(problem: Problem) -> ByLayers | None:
     """The problem's :class:`ByLayers` (made once, from keep-all and per-block checkpointing, each also with
-    every tensor stashed), None without a stack."""
+    the ops outside the blocks recomputed and with every tensor stashed), None without a stack."""
 
     def make() -> ByLayers | None:
         stack = find_stack(problem)
         if stack is None:
             return None
+        in_blocks = {op for block in stack.blocks for op in block}
         keep = {op: False for op in problem.recomputable}
         per_block = per_block_plan(problem) or keep
-        bases = [(keep, {}), (per_block, {})]
-        if problem.stash_options:      # the head and embeddings' tensors stashed too: the lowest peaks
+        # the ops outside the blocks recomputed too: the embeddings, the rotary and mask tables every layer
+        # reads (held through backward, else), the head
+        outside = {op: op not in in_blocks for op in problem.recomputable}
+        both = {**per_block, **{op: True for op in problem.recomputable if op not in in_blocks}}
+        bases = [(keep, {}), (per_block, {}), (outside, {}), (both, {})]
+        if problem.stash_options:      # the head and embeddings' tensors stashed: the lowest peaks
             bases += [(plan, stash_all(problem, plan, "memory")) for plan in (keep, per_block)]
         return ByLayers(problem, stack, bases)
     return problem.derived("layered.ByLayers", make)
