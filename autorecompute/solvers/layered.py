@@ -502,14 +502,6 @@ def _undominated(entries: list[Measured]) -> list[Measured]:
     return [entry for i, entry in enumerate(entries) if i == 0 or not beaten(i)]
 
 
-def plan_by_layers(problem: Problem, budget: int, plans: list[SearchPlan]) -> SearchPlan | None:
-    """The cheapest plan :class:`ByLayers` finds under ``budget`` from ``plans``; None without a stack or a fit."""
-    stack = find_stack(problem)
-    if stack is None or not plans:
-        return None
-    return ByLayers(problem, stack, plans).cheapest(budget)
-
-
 def _blocks_of(entries: list[Measured], picks: list[int]) -> dict[int, Template]:
     """Block index → template, for the entries ``picks`` laid end to end from the first block."""
     templates, j = {}, 0
