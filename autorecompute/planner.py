@@ -55,7 +55,7 @@ OUTPUTS = ("kept", "dropped")     # held by the caller through backward (out = m
 DEFAULT_ACTIONS = ("recompute", "offload")      # the lossless ones
 WHOLE_MODEL_TIME_LIMIT = 8.0     # the default solver_time_limit of a graph planned as a whole
 BY_LAYERS_TIME_LIMIT = 1.0       # ... of one planned by its layers: the local searches' work after the DP
-WHOLE_MODEL_BELOW = 0.95         # budgets this close under the layers' minimum get the whole-model search too
+WHOLE_MODEL_BELOW = 0.5          # budgets from this fraction of the layers' minimum get the whole-model search too
 
 
 
@@ -275,9 +275,10 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
 def _search(problem: Problem, budget: int, baseline: int, gm: torch.fx.GraphModule, verify, options: PlannerOptions,
             in_thread) -> tuple[Search, object]:
     """The search :func:`search_setup` chooses, run; where planning by layers finds nothing under a budget
-    just below the least peak its menu reaches (within :data:`WHOLE_MODEL_BELOW`), the whole-model search,
-    whose minimum can be a little lower: such a budget is refused only when that finds nothing either. Far
-    below (``minimum_peak``'s one-byte budget), the layers' minimum is the answer, in their time."""
+    below the least peak its menu reaches (from :data:`WHOLE_MODEL_BELOW` of it), the whole-model search,
+    whose minimum can be lower (√N's segments on a deep MLP): such a budget is refused only when that finds
+    nothing either. Far below (``minimum_peak``'s one-byte budget), the layers' minimum is the answer, in
+    their time."""
     time_limit, strategies = search_setup(problem, options)
     search = Search(problem, budget, baseline, gm, verify, time_limit, options.seed, options.objective, strategies,
                     in_thread=in_thread)
