@@ -54,7 +54,7 @@ OBJECTIVES = ("time", "flops")
 OUTPUTS = ("kept", "dropped")     # held by the caller through backward (out = model(...)), or not (model(...).loss)
 DEFAULT_ACTIONS = ("recompute", "offload")      # the lossless ones
 WHOLE_MODEL_TIME_LIMIT = 8.0     # the default solver_time_limit of a graph planned as a whole
-BY_LAYERS_TIME_LIMIT = 1.0       # ... of one planned by its layers: the local searches' work after the DP
+BY_LAYERS_TIME_LIMIT = 0.5       # ... of one planned by its layers: the local searches' work after the DP
 WHOLE_MODEL_BELOW = 0.5          # budgets from this fraction of the layers' minimum get the whole-model search too
 
 

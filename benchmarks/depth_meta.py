@@ -9,8 +9,8 @@ loss) at 6 to 96 layers, and Llama-2-7B's shape (4096 wide, 11008 MLP, 32 heads,
 batch 1 × 4096 tokens, labels) at 12 and 32 layers, all built on ``meta`` and planned for a GPU with the
 default settings (no time limit given: planned by layers).
 
-* **Plan time** at ``budget=0.5`` (at the minimum where half the peak is below it): the whole call, capture
-  and profile included, and the stages' times.
+* **Plan time** at ``budget=0.5`` (0.75 for the Llama shapes and the 6-layer GPT-2, whose minima are above
+  half): the whole call, capture and profile included, and the stages' times.
 * **Quality**: per-layer checkpointing (Hugging Face's ``gradient_checkpointing_enable()``: every layer one
   region) planned and measured on the same fake step; then our plan with its measured peak as the budget, and
   its extra FLOPs against per-layer checkpointing's.
@@ -90,6 +90,12 @@ def per_layer(model, args, kwargs):
     return plan.predicted_peak, plan.extra_flops
 
 
+def budget_of(kind: str, layers: int) -> float:
+    """Half the unoptimized peak where a plan reaches it (the issue's GPT-2 case), else three quarters: the
+    Llama shapes' and the 6-layer GPT-2's minima are above half."""
+    return 0.5 if kind == "gpt2" and layers >= 12 else 0.75
+
+
 def row(kind: str, layers: int) -> dict:
     model, args, kwargs = model_of(kind, layers)
     stages = _Stages()
@@ -97,12 +103,7 @@ def row(kind: str, layers: int) -> dict:
     logger.addHandler(stages)
     logger.setLevel(logging.INFO)
     started = time.perf_counter()
-    try:
-        plan = autorecompute.plan(model, *args, budget=0.5, **kwargs)
-    except InfeasibleBudgetError as refused:     # (shallow models: their minimum is above half their peak)
-        stages.lines.append(f"refused: {refused.minimum} bytes minimum")
-        started = time.perf_counter()
-        plan = autorecompute.plan(model, *args, budget=refused.minimum, **kwargs)
+    plan = autorecompute.plan(model, *args, budget=budget_of(kind, layers), **kwargs)
     seconds = time.perf_counter() - started
     logger.removeHandler(stages)
     result = {"model": kind, "layers": layers, "ops": len(plan.decisions), "plan_seconds": seconds,

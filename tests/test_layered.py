@@ -86,10 +86,10 @@ def test_a_six_layer_decoder_is_planned_by_layers_within_budget_with_eagers_grad
 
 
 def test_a_time_limit_given_asks_for_the_whole_model_search():
-    from autorecompute.planner import PlannerOptions, search_setup
+    from autorecompute.planner import BY_LAYERS_TIME_LIMIT, PlannerOptions, search_setup
 
     problem = _problem(models.llama(layers=4, batch=2, sequence=32))
-    assert search_setup(problem, PlannerOptions()) == (1.0, Strategies.by_layers())
+    assert search_setup(problem, PlannerOptions()) == (BY_LAYERS_TIME_LIMIT, Strategies.by_layers())
     assert search_setup(problem, PlannerOptions(solver_time_limit=3.0)) == (3.0, Strategies())
 
 
