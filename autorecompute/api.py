@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from autorecompute.budget import format_bytes, parse_budget
-from autorecompute.errors import (InfeasibleBudgetError, OverlappingStepsWarning, PartialBackwardWarning,
+from autorecompute.errors import (EngineError, InfeasibleBudgetError, OverlappingStepsWarning, PartialBackwardWarning,
                                   ReplanningWarning, user_location, user_stacklevel)
 from autorecompute.passes.autocast import callers_autocast
 from autorecompute.plan import Plan
@@ -76,6 +76,8 @@ def input_signature(args: tuple, kwargs: dict) -> str:
 # plans of one compiled module at which it warns, and again at each doubling: shapes that change every step
 # (sequences padded to each batch's longest) are planned again every step, as torch.compile recompiles
 MANY_SIGNATURES = 8
+# a step torch.compile runs is planned apart from an eager step with the same inputs
+_ENGINE_KEYS = {"eager": "", "torch.compile": " under torch.compile"}
 
 
 def gradient_state(model: torch.nn.Module) -> str:
@@ -384,11 +386,11 @@ class CompiledModule(torch.nn.Module):
     # planning is Python over fake tensors: under torch.compile(opt) dynamo would trace into it (recompiling
     # its helpers per tensor until its limit, for seconds); it graph-breaks here instead and runs it as is
     @torch.compiler.disable
-    def _planned(self, args: tuple, kwargs: dict) -> Planned:
+    def _planned(self, args: tuple, kwargs: dict, engine: str = "eager") -> Planned:
         # every call: the key from the inputs and the model's state (one walk; the gradients that exist make a
         # state of their own: with gradient accumulation the later micro-batches start with them resident);
         # the readable signature only when planning
-        inputs = input_signature(args, kwargs)
+        inputs = input_signature(args, kwargs) + _ENGINE_KEYS[engine]
         state = _state_parts(self._model)
         key = _cache_key(inputs, args, kwargs, _state_hash(*state))
         planned = self._plans.get(key)
@@ -402,7 +404,7 @@ class CompiledModule(torch.nn.Module):
             signature = step_signature(self._model, args, kwargs, inputs)
             log.info("planning %s for %s", type(self._model).__name__, signature)
             with torch.random.fork_rng(devices=[]):   # planning must not move the user's RNG stream
-                planned = make_plan(self._model, args, kwargs, self._budget, self._options, signature)
+                planned = make_plan(self._model, args, kwargs, self._budget, self._engine_options(engine), signature)
             # a library can change the model during the capture's forward (transformers installs its output
             # collecting hooks on the first call with output_router_logits): the plan is for the model as
             # its next steps find it
@@ -455,6 +457,9 @@ class CompiledModule(torch.nn.Module):
         return True
 
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            module, kwargs = self._compiled_step(args, kwargs)
+            return module(*args, **kwargs)
         if not self._wants_plan(args, kwargs):
             return self._model(*args, **kwargs)
         self._check_last_backward()
@@ -471,6 +476,35 @@ class CompiledModule(torch.nn.Module):
             self._watch_outputs(outputs)
         self._watch_overlapping_step(outputs)
         return outputs
+
+    @torch.compiler.disable
+    def _compiled_step(self, args: tuple, kwargs: dict) -> tuple[torch.nn.Module, dict]:
+        """(the module dynamo traces for this step, its keyword arguments) under ``torch.compile(compiled)``:
+        the plan made for torch.compile (its recomputation as checkpointed regions the partitioner honours,
+        measured as compiled), or the model where no backward can follow. The first-step checks of eager steps
+        (outputs' lifetime, partial backwards) need hooks on the outputs, which a compiled graph has not."""
+        if not self._wants_plan(args, kwargs):
+            return self._model, kwargs
+        kwargs = self._without_cache(kwargs)
+        return self._planned(args, kwargs, engine="torch.compile").module, kwargs
+
+    def _engine_options(self, engine: str) -> PlannerOptions:
+        """The planner's options for a step ``engine`` runs: under torch.compile recomputation only."""
+        if engine == "eager":
+            return self._options
+        if "recompute" not in self._options.actions:
+            raise EngineError(
+                f"torch.compile over autorecompute.compile(..., actions={self._options.actions!r}): a compiled "
+                "graph recomputes checkpointed regions but runs none of the hooks that offload or compress "
+                "tensors, so these actions cannot hold the budget under it. Fix: include 'recompute' in actions "
+                "(offload and compress then apply to steps run without torch.compile), or call the module "
+                "without torch.compile.")
+        if self._options.actions != ("recompute",) and not self.__dict__.get("_told_engine"):
+            self.__dict__["_told_engine"] = True
+            log.info("under torch.compile %s is planned with recomputation only (the compiled graph runs no "
+                     "offload or compress hooks)", type(self._model).__name__)
+        return dataclasses.replace(self._options, engine=engine, actions=("recompute",), compress_dtypes=None,
+                                   offload_dir=None)
 
     def _watch_overlapping_step(self, outputs) -> None:
         """Every step until it has warned (a loop may overlap only some steps): marks the outputs' graph (alive

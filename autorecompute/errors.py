@@ -88,6 +88,11 @@ class OffloadError(AutorecomputeError, OSError):
     rather than lose the tensor. The message names the tensor, the path and the fix."""
 
 
+class EngineError(AutorecomputeError, RuntimeError):
+    """The engine that runs the step (``torch.compile``, a distributed wrapper) cannot carry out what the
+    compiled module was asked to do within the budget. The message names the combination that can."""
+
+
 class ReplanningWarning(UserWarning):
     """A compiled module has planned many input signatures: inputs whose shapes change from step to step are
     captured and solved again each time (seconds), and each plan is kept."""

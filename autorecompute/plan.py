@@ -22,11 +22,11 @@ from autorecompute.fates import FATES, NOTHING_HELD, fate, plural
 __all__ = ["Plan", "StashRecord", "NodeRecord", "SCHEMA_VERSION", "FATES", "NOTHING_HELD", "fate", "tensor_bytes"]
 from autorecompute.problem import GRADIENT
 
-# 11: ``outputs``; 10: ``loss_reserve``; 9: ``softmax_in_place``; 8: ``extra_seconds``; 7: ``region_remakes``;
+# 12: ``engine``; 11: ``outputs``; 10: ``loss_reserve``; 9: ``softmax_in_place``; 8: ``extra_seconds``; 7: ``region_remakes``;
 # 6: ``region_starts``; 5: the ``rematerialize:through`` action; 4: the ``rematerialize:chain`` action,
 # ``delivers`` / ``delivered_by``; 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``;
 # 2: ``stash``
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 _ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
              "float32": 4, "float64": 8, "complex64": 8, "complex128": 16}
 
@@ -115,7 +115,8 @@ class NodeRecord:
 _JSON_KINDS = {**{name: int for name in ("budget", "predicted_peak", "baseline_peak", "minimum_peak", "model_peak",
                                           "loss_reserve", "extra_flops", "baseline_flops", "num_forward")},
                **{name: (int, float) for name in ("solver_time", "solver_gap", "plan_time", "extra_seconds")},
-               **{name: str for name in ("solver_status", "objective", "model_name", "signature", "outputs")},
+               **{name: str for name in ("solver_status", "objective", "model_name", "signature", "outputs",
+                                          "engine")},
                **{name: dict for name in ("decisions", "resident", "nodes", "timeline", "stash")},
                **{name: list for name in ("actions", "edges", "at_peak", "region_starts", "region_remakes",
                                                 "softmax_in_place")}}
@@ -164,6 +165,9 @@ class Plan:
         outputs: whether the step keeps the outputs backward does not start from (the logits beside a loss the
             model returns) through backward, ``"kept"``, or drops them before it, ``"dropped"`` (``"kept"`` in
             files before 11).
+        engine: what runs the step: ``"eager"`` (the module autorecompute rewrites, run by autograd) or
+            ``"torch.compile"`` (its regions compiled by ``torch.compile``, whose partitioner recomputes them;
+            the predicted peak is that of the compiled step) (``"eager"`` in files before 12).
     """
 
     budget: int
@@ -195,6 +199,7 @@ class Plan:
     extra_seconds: float = 0.0
     loss_reserve: int = 0
     outputs: str = "kept"
+    engine: str = "eager"
 
     # ---- queries -------------------------------------------------------------------------------------
     def count(self, action: str) -> int:
@@ -393,7 +398,10 @@ class Plan:
         ])
 
     def _reserve_lines(self) -> list[str]:
-        lines = [] if self.outputs == "kept" else [
+        lines = [] if self.engine == "eager" else [
+            f"  engine          {self.engine}: checkpointed regions its partitioner recomputes; the peak predicted "
+            "is the compiled step's"]
+        lines += [] if self.outputs == "kept" else [
             "  outputs         dropped before backward: only those backward starts from (the loss) live on, as "
             "in model(x).loss.backward()"]
         if not self.loss_reserve:

@@ -37,6 +37,7 @@ from autorecompute.passes.profile import profile_step
 from autorecompute.passes.rewrite_calls import rewrite_calls
 from autorecompute.passes.rewrite_softmax import rewrite_softmax, softmax_in_place_nodes
 from autorecompute.passes.verify import fake_step_memory, verify_plan
+from autorecompute.passes.verify_compiled import compiled_step_memory
 from autorecompute.plan import NodeRecord, Plan, StashRecord
 from autorecompute.problem import GRADIENT, Problem
 from autorecompute.runtime.codecs import CODECS
@@ -51,11 +52,13 @@ log = logging.getLogger("autorecompute")
 
 SUPPORTED_ACTIONS = ("recompute", "offload", "compress")
 OBJECTIVES = ("time", "flops")
+ENGINES = ("eager", "torch.compile")     # what runs the planned step (Plan.engine)
 OUTPUTS = ("kept", "dropped")     # held by the caller through backward (out = model(...)), or not (model(...).loss)
 DEFAULT_ACTIONS = ("recompute", "offload")      # the lossless ones
 WHOLE_MODEL_TIME_LIMIT = 8.0     # the default solver_time_limit of a graph planned as a whole
 BY_LAYERS_TIME_LIMIT = 0.5       # ... of one planned by its layers: the local searches' work after the DP
 WHOLE_MODEL_BELOW = 0.5          # budgets from this fraction of the layers' minimum get the whole-model search too
+COMPILED_SEARCHES = 4            # searches for torch.compile, each under the budget less what the last one's compiled step held beyond it
 
 
 
@@ -72,6 +75,7 @@ class PlannerOptions:
     objective: str = "time"
     loss_reserve: int | str = "auto"
     outputs: str = "kept"       # what the caller does with the outputs backward does not start from: OUTPUTS
+    engine: str = "eager"       # what runs the step: ENGINES (CompiledModule plans for torch.compile under dynamo)
     strategies: Strategies = Strategies()     # the searches combined (tests pass stubs)
 
     def __post_init__(self):
@@ -118,6 +122,11 @@ class PlannerOptions:
                 or not -2**31 <= self.seed < 2**31:
             raise ValueError(f"seed={self.seed!r} must be an int that fits 32 bits (CP-SAT's random seed)")
         object.__setattr__(self, "seed", int(self.seed))      # a numpy int too (random.Random takes no other)
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine={self.engine!r}; accepted: {ENGINES}")
+        if self.engine == "torch.compile" and tuple(self.actions) != ("recompute",):
+            raise ValueError(f"engine='torch.compile' with actions={self.actions!r}: a compiled graph recomputes "
+                             "checkpointed regions and runs no stash hooks, so its plans take actions=('recompute',)")
         if self.outputs not in OUTPUTS:
             raise ValueError(f"outputs={self.outputs!r}; accepted: 'kept' (the caller holds the outputs through "
                              "backward: out = model(x); out.loss.backward()), 'dropped' (only the loss the model "
@@ -225,7 +234,8 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
         # is planned again)
         runtime = StashRuntime(options.offload_dir) if cached.stash else None
         log.info("plan for %s loaded from the plan cache (%s)", signature, plan_cache.cache_dir())
-        return Planned(plan=cached, module=apply_plan(gm, cached.rewrite, runtime))
+        return Planned(plan=cached, module=apply_plan(gm, cached.rewrite, runtime,
+                                                      bind_calls=cached.engine == "eager"))
     transfer, speeds = _speeds(options, _device_type(args, kwargs))
     problem = _build(gm, options, transfer, speeds)
     log.info("profile + problem: %.2f s, %d ops in chain, %d recomputable, %d activations, %d stashable",
@@ -237,13 +247,21 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     budget_bytes = resolve_budget(parsed, base)
     runtime = StashRuntime(options.offload_dir) if problem.stash_options else None
     verify = _verifier(gm, problem, runtime, args, kwargs, reserve, keep)
-    search, found = _search(problem, budget_bytes, baseline_peak, gm, verify, options,
-                            partial(_under_autocast, entered))
+    in_thread = partial(_under_autocast, entered)
+    if options.engine == "torch.compile":
+        measure = _compiled_peak(gm, problem, args, kwargs, reserve, keep)
+        search, found, peak = _search_compiled(problem, budget_bytes, baseline_peak, gm, verify, options, in_thread,
+                                               measure)
+    else:
+        search, found = _search(problem, budget_bytes, baseline_peak, gm, verify, options, in_thread)
     if found is None:
-        peak = search.minimum()[1]
+        peak = search.minimum()[1] if options.engine == "eager" else measure(search.minimum()[2])
         raise InfeasibleBudgetError(budget_bytes, peak, _breakdown(profile, peak), options.actions,
                                     fraction=parsed if isinstance(parsed, float) else None, baseline=base)
-    softmax_in_place, peak = _softmax_in_place(found.module, args, kwargs, budget_bytes, found.peak, reserve, keep)
+    if options.engine == "eager":
+        softmax_in_place, peak = _softmax_in_place(found.module, args, kwargs, budget_bytes, found.peak, reserve, keep)
+    else:
+        softmax_in_place = ()
     recompute, stash = found.decisions
     rewrite = rewrite_of(problem, recompute, stash, softmax_in_place)
     plan = Plan(
@@ -255,7 +273,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
         solver_status=found.status, solver_time=search.solve_time, solver_gap=found.gap,
         plan_time=time.perf_counter() - started, actions=options.actions, objective=options.objective,
         resident=dict(profile.resident), nodes=_node_records(gm, problem), model_name=type(model).__name__,
-        signature=signature, edges=_edges(gm, problem),
+        signature=signature, edges=_edges(gm, problem), engine=options.engine,
         timeline=_timeline(problem, recompute, stash, profile.resident_bytes), num_forward=problem.num_forward,
         at_peak=_at_peak(problem, recompute, stash), stash=_stash_records(gm, problem, rewrite),
         extra_seconds=transfer.compute_seconds(extra_cost(
@@ -266,6 +284,9 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     log.debug("plan: %s", plan.summary())
     if key:
         plan_cache.store(key, plan)
+    if options.engine == "torch.compile":
+        # the regions dynamo traces: every softmax on autograd's backward, as measured
+        return Planned(plan=plan, module=apply_plan(gm, rewrite, bind_calls=False))
     # last, on the module that runs: each op called through eager's own binding where that dispatches the same
     # ops (the same kernels and allocations as verified; a microsecond less per call)
     rewrite_calls(graph_module_of(found.module))
@@ -292,6 +313,35 @@ def _search(problem: Problem, budget: int, baseline: int, gm: torch.fx.GraphModu
     return search, found
 
 
+def _search_compiled(problem: Problem, budget: int, baseline: int, gm: torch.fx.GraphModule, verify,
+                     options: PlannerOptions, in_thread, measure) -> tuple[Search, object, int]:
+    """(search, found, the compiled step's peak) for a step torch.compile runs: each plan found is measured as
+    compiled (``measure(decisions)``: its partition can hold other tensors than eager autograd around the regions);
+    where that exceeds ``budget``, the search runs again under a budget lowered by the excess, up to
+    :data:`COMPILED_SEARCHES` times. None found: no plan's compiled step fits."""
+    target = budget
+    for _ in range(COMPILED_SEARCHES):
+        search, found = _search(problem, target, baseline, gm, verify, options, in_thread)
+        if found is None:
+            break
+        peak = measure(found.decisions)
+        log.info("torch.compile's step of the plan under %s: %s (eager's %s)", format_bytes(target),
+                 format_bytes(peak), format_bytes(found.peak))
+        if peak <= budget:
+            return search, found, peak
+        target -= peak - budget
+    return search, None, 0
+
+
+def _compiled_peak(gm: torch.fx.GraphModule, problem: Problem, args: tuple, kwargs: dict, reserve: int,
+                   keep_outputs: bool):
+    """``measure(decisions) -> peak``: the plan's step as torch.compile runs it (:mod:`verify_compiled`)."""
+    def measure(decisions: SearchPlan) -> int:
+        rewrite = rewrite_of(problem, *decisions, ())
+        return compiled_step_memory(gm, rewrite, args, kwargs, reserve, keep_outputs).peak
+    return measure
+
+
 def search_setup(problem: Problem, options: PlannerOptions) -> tuple[float, Strategies]:
     """(the search's time limit, its strategies). Without a ``solver_time_limit``, a model of repeated blocks
     (:func:`~autorecompute.solvers.layered.find_stack`) is planned by its layers with a short polish — seconds
@@ -313,7 +363,7 @@ def _cache_key(gm: torch.fx.GraphModule, signature: str, budget, options: Planne
     searched = {"actions": options.actions, "solver_time_limit": options.solver_time_limit, "seed": options.seed,
                 "compress_dtypes": options.compress_dtypes, "objective": options.objective,
                 "loss_reserve": options.loss_reserve, "outputs": options.outputs, "transfer": repr(options.transfer),
-                "autocast": repr(autocast), "distributed": distributed()}
+                "autocast": repr(autocast), "distributed": distributed(), "engine": options.engine}
     return plan_cache.plan_key(gm, signature, budget, searched, device_type)
 
 
@@ -414,7 +464,8 @@ def _build(gm: torch.fx.GraphModule, options: PlannerOptions, transfer, speeds) 
     """The problem of a profiled ``gm``, recomputation priced at ``speeds``, transfers at ``transfer``."""
     return build_problem(gm, recompute="recompute" in options.actions,
                          offload=transfer if "offload" in options.actions else None,
-                         compress_dtypes=options.dtypes, device=speeds, offload_gradients=not distributed())
+                         compress_dtypes=options.dtypes, device=speeds, offload_gradients=not distributed(),
+                         regions_only=options.engine == "torch.compile")
 
 
 def _stash_records(gm: torch.fx.GraphModule, problem: Problem, rewrite: Rewrite) -> dict[str, StashRecord]:

@@ -49,11 +49,9 @@ from pathlib import Path
 import torch
 import torch._dynamo
 import torch._functorch.config as functorch_config
-from torch._C._profiler import _EventType
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
@@ -61,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import models  # noqa: E402
-from autorecompute.runtime.memory import measure_step, resident_bytes  # noqa: E402
+from autorecompute.runtime.memory import allocated_peak, measure_step, resident_bytes  # noqa: E402
 
 FRACTIONS = [1.0, 0.7, 0.5, 0.3, 0.1, 0.0]
 NO_CACHE = {"enable_autograd_cache": False}  # a cached graph would skip our recording compilers
@@ -96,27 +94,6 @@ def gradients(model, module, args, kwargs) -> dict[str, torch.Tensor]:
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return grads
-
-
-def profiler_peak(fn) -> int:
-    """Max running sum of bytes allocated inside ``fn`` (and not yet freed), from the raw profiler events."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr))
-        stack.extend(e.children)
-    live, current, peak = {}, 0, 0
-    for _, size, ptr in sorted(events, key=lambda x: x[0]):   # stable: same-ns events keep tree order
-        if size > 0:
-            live[ptr] = live.get(ptr, 0) + size
-            current += size
-        elif ptr in live:
-            current -= live.pop(ptr)
-        peak = max(peak, current)
-    return peak
 
 
 def graph_flops(gm: torch.fx.GraphModule, unknown: set) -> int:
@@ -172,7 +149,7 @@ def eager_reference(case) -> dict:
     tracker = measure_step(model, args, kwargs, step=step).peak
     model.zero_grad(set_to_none=True)
     resident = resident_bytes(model, args, kwargs)
-    peak = resident + profiler_peak(lambda: step(model, args, kwargs))
+    peak = resident + allocated_peak(lambda: step(model, args, kwargs))
     model.zero_grad(set_to_none=True)
     with FlopCounterMode(display=False) as counter:
         step(model, args, kwargs)
@@ -191,7 +168,7 @@ def compiled_row(case, backend: str, fraction: float, ref: dict) -> dict:
         step(compiled, args, kwargs)                    # compile + first run
         model.zero_grad(set_to_none=True)
         graphs = recorder.graphs
-        peak = ref["resident"] + profiler_peak(lambda: step(compiled, args, kwargs))
+        peak = ref["resident"] + allocated_peak(lambda: step(compiled, args, kwargs))
         model.zero_grad(set_to_none=True)
         grads = gradients(model, compiled, args, kwargs)
     grad_diff = max(float((grads[n] - g).abs().max()) for n, g in ref["grads"].items())

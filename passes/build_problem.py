@@ -135,7 +135,7 @@ class StepFacts:
 
 def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: TransferModel | None = None,
                   compress_dtypes: tuple[str, ...] = (), device: TransferModel | None = None,
-                  offload_gradients: bool = True) -> Problem:
+                  offload_gradients: bool = True, regions_only: bool = False) -> Problem:
     """The planning problem of a graph that :func:`~autorecompute.passes.profile.profile_step` annotated.
 
     Args:
@@ -144,11 +144,13 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
         compress_dtypes: the dtypes activations may be compressed to (see ``runtime/codecs.py``).
         device: the speeds recompute costs are computed with (None: ``offload``'s, else the CPU's).
         offload_gradients: whether parameter gradients may be offloaded too (with ``offload``).
+        regions_only: recomputation in plain checkpointed regions only, what torch.compile's partitioner is
+            told: no op rematerialized on its own, no region making its inputs again.
     """
     facts = step_facts(gm, recompute, device or offload or CPU_DISK)
     activations = _activations(facts)
     options: dict[str, tuple[StashOption, ...]] = {}
-    if recompute:
+    if recompute and not regions_only:
         options.update(_rematerialize_options(facts, activations))
     if offload is not None or compress_dtypes:
         for name, found in _stash_options(facts, activations, offload, compress_dtypes).items():
@@ -166,7 +168,7 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
         region_cost=facts.device.seconds_to_cost(facts.device.region_seconds), stash_options=options,
         saves=_saves(facts),
         # random ops (ops that update state are not recomputable at all)
-        unremakeable=frozenset(op for op in chain if is_random(nodes[op])),
+        unremakeable=frozenset(op for op in chain if regions_only or is_random(nodes[op])),
         repeats=repeated_ops([nodes[op] for op in chain], facts.recomputable),
         blocks=repeated_blocks([nodes[op] for op in chain]),
         forward_position={op: node_info(nodes[op]).position for op in chain})

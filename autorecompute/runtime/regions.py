@@ -38,6 +38,11 @@ class CheckpointRegion(torch.nn.Module):
         self.preserve_rng_state = preserve_rng_state
 
     def forward(self, *inputs):
+        if torch.compiler.is_compiling():
+            # dynamo turns a checkpoint without side effects into the region its partitioner recomputes in
+            # backward, running state updates once (functionalized); the call counter below would break the graph
+            return checkpoint(self.body, False, *inputs, use_reentrant=False,
+                              preserve_rng_state=self.preserve_rng_state)
         calls = 0
 
         def run(*args):
