@@ -14,7 +14,8 @@ import importlib
 from autorecompute._version import __version__
 from autorecompute.budget import format_bytes, parse_budget
 from autorecompute.errors import (AutorecomputeError, CaptureError, CaptureSideEffectWarning, EngineError,
-                                  InfeasibleBudgetError, OffloadError, OverlappingStepsWarning, PartialBackwardWarning, ReplanningWarning)
+                                  InfeasibleBudgetError, OffloadError, OverlappingStepsWarning, PartialBackwardWarning,
+                                  ReplanningWarning, StepOverBudgetWarning)
 from autorecompute.plan import Plan
 
 # the submodule autorecompute.plan, imported above, is not the package's ``plan``: that name is the function
@@ -29,6 +30,7 @@ _LAZY = {"compile": "autorecompute.api", "plan": "autorecompute.api", "minimum_p
 __all__ = ["compile", "plan", "minimum_peak", "measure_peak", "parse_budget", "format_bytes", "Plan",
            "CompiledModule", "TransferModel", "InfeasibleBudgetError", "CaptureError", "OffloadError", "EngineError",
            "AutorecomputeError", "ReplanningWarning", "PartialBackwardWarning", "OverlappingStepsWarning",
+           "StepOverBudgetWarning",
            "CaptureSideEffectWarning",
            "__version__"]
 

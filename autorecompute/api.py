@@ -19,13 +19,14 @@ from torch.utils._pytree import tree_flatten
 
 from autorecompute.budget import format_bytes, parse_budget
 from autorecompute.errors import (EngineError, InfeasibleBudgetError, OverlappingStepsWarning, PartialBackwardWarning,
-                                  ReplanningWarning, user_location, user_stacklevel)
+                                  ReplanningWarning, StepOverBudgetWarning, user_location, user_stacklevel)
 from autorecompute.passes.autocast import callers_autocast
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
 from autorecompute.runtime.memory import (ALLOCATOR_SLACK, device_bytes_outside, differentiable_outputs,
                                            output_tensors_for_backward,
                                           step_state, tensor_bytes)
+from autorecompute.runtime.first_step import FirstStep
 from autorecompute.runtime.stash import distributed
 from autorecompute.throughputs import TransferModel
 
@@ -76,6 +77,7 @@ def input_signature(args: tuple, kwargs: dict) -> str:
 # plans of one compiled module at which it warns, and again at each doubling: shapes that change every step
 # (sequences padded to each batch's longest) are planned again every step, as torch.compile recompiles
 MANY_SIGNATURES = 8
+RELEARNS = 2     # times a signature is planned again with the reserve its first step showed
 # a step torch.compile runs is planned apart from an eager step with the same inputs
 _ENGINE_KEYS = {"eager": "", "torch.compile": " under torch.compile"}
 
@@ -268,6 +270,8 @@ class CompiledModule(torch.nn.Module):
         self.__dict__["_last"] = None
         self.__dict__["_watch"] = None         # a plan's first step's verdict, filled at the end of its backward
         self.__dict__["_pending"] = None       # the last step's graph until its backward (_check_overlapping_step)
+        self.__dict__["_first_step"] = None    # (inputs, planned, FirstStep): a plan's first step being measured
+        self.__dict__["_reserves"] = {}        # inputs → the reserve their first step showed (bytes), and times
 
     def __deepcopy__(self, memo: dict) -> "CompiledModule":
         # plans and all: the copy's rewritten modules use the copy's parameters (the memo maps them)
@@ -297,14 +301,14 @@ class CompiledModule(torch.nn.Module):
     def __setstate__(self, state: dict) -> None:
         # a module pickled without a cache of plan states (or a warning mark) starts with none
         super().__setstate__({"_states": {}, "_warned_at": None, "_learn_outputs": False, "_outputs_seen": None,
-                              **state})
+                              "_first_step": None, "_reserves": {}, **state})
 
     def __getstate__(self, keep_plans: bool = False) -> dict:
         # pickle / torch.save: the model and the settings; plans are this process's cache (rewritten graph
         # modules, offload tiers), made again — the same plans, the planner is deterministic — on the first
         # training call after loading. nn.Module's own state first (it drops what Module.compile() bound)
         state = super().__getstate__()
-        state.update(_watch=None, _pending=None, _outputs_seen=None)   # this process's graphs: not copied
+        state.update(_watch=None, _pending=None, _outputs_seen=None, _first_step=None)   # this process's graphs
         if not keep_plans:
             state.update(_plans={}, _states={}, _last=None, _warned_at=None)
         return state
@@ -374,6 +378,7 @@ class CompiledModule(torch.nn.Module):
 
     def prepare(self, *args, **kwargs) -> Plan:
         """Plans for these inputs now (as the first training call would) without running a step."""
+        self._check_first_step()
         return self._planned(args, self._without_cache(kwargs)).plan
 
     def _without_cache(self, kwargs: dict) -> dict:
@@ -404,7 +409,8 @@ class CompiledModule(torch.nn.Module):
             signature = step_signature(self._model, args, kwargs, inputs)
             log.info("planning %s for %s", type(self._model).__name__, signature)
             with torch.random.fork_rng(devices=[]):   # planning must not move the user's RNG stream
-                planned = make_plan(self._model, args, kwargs, self._budget, self._engine_options(engine), signature)
+                planned = make_plan(self._model, args, kwargs, self._budget, self._options_for(inputs, engine),
+                                    signature)
             # a library can change the model during the capture's forward (transformers installs its output
             # collecting hooks on the first call with output_router_logits): the plan is for the model as
             # its next steps find it
@@ -465,9 +471,13 @@ class CompiledModule(torch.nn.Module):
         self._check_last_backward()
         self._check_overlapping_step()
         self._check_outputs()
+        self._check_first_step()
         kwargs = self._without_cache(kwargs)
         planned = self._planned(args, kwargs)
+        step = self._measure_first_step(planned, args, kwargs)
         outputs = planned.module(*args, **kwargs)
+        if step is not None:
+            step.watch(outputs)
         if not planned.backward_watched:
             if not self.__dict__.get("_told_retain"):
                 _watch_retained_graph(self, outputs)
@@ -487,6 +497,57 @@ class CompiledModule(torch.nn.Module):
             return self._model, kwargs
         kwargs = self._without_cache(kwargs)
         return self._planned(args, kwargs, engine="torch.compile").module, kwargs
+
+    def _options_for(self, inputs: str, engine: str) -> PlannerOptions:
+        """The planner's options for these inputs: the engine's, with the reserve their first step showed."""
+        options = self._engine_options(engine)
+        learned = self._reserves.get(inputs)
+        return options if learned is None else dataclasses.replace(options, loss_reserve=learned[0])
+
+    def _measure_first_step(self, planned: Planned, args: tuple, kwargs: dict) -> FirstStep | None:
+        """Starts measuring the first step of ``planned`` (one at a time), through the caller's code to the
+        end of its backward."""
+        if planned.step_measured or self.__dict__.get("_first_step") is not None or _in_backward():
+            return None
+        step = FirstStep.start(self._model, args, kwargs)
+        if step is not None:
+            self.__dict__["_first_step"] = (input_signature(args, kwargs), planned, step)
+        return step
+
+    def _check_first_step(self) -> None:
+        """After a measured first step: where it went over its budget, its inputs are planned again with
+        what the caller's code held beyond the plan as their reserve (at most :data:`RELEARNS` times)."""
+        entry = self.__dict__.get("_first_step")
+        if entry is None or _in_backward():      # (a caller's checkpoint recomputing the forward)
+            return
+        inputs, planned, step = entry
+        step.close()
+        self.__dict__["_first_step"] = None
+        if not step.done:
+            return       # no backward: its next step is measured
+        planned.step_measured = True
+        plan = planned.plan
+        if step.peak <= plan.budget:
+            return
+        _, times = self._reserves.get(inputs, (plan.loss_reserve, 0))
+        if times >= RELEARNS:
+            return
+        # an eighth more: the caller's code holds its tensors over a stretch of backward, where the reserve
+        # counts them at its start
+        excess = max(0, step.peak - plan.predicted_peak)
+        learned = plan.loss_reserve + excess + excess // 8
+        self._reserves[inputs] = (learned, times + 1)
+        warnings.warn(
+            f"autorecompute: the first step of {type(self._model).__name__}'s plan for {plan.signature} measured "
+            f"{format_bytes(step.peak)}, over its budget of {format_bytes(plan.budget)} (the plan predicted "
+            f"{format_bytes(plan.predicted_peak)} with {format_bytes(plan.loss_reserve)} reserved for the code "
+            "between forward and backward, a loss over the outputs): that code held more. Planning these inputs "
+            f"again with {format_bytes(learned)} reserved; the next steps fit. To plan it from the start, pass "
+            f"compile(..., loss_reserve={learned}), or compute the loss inside the model.",
+            StepOverBudgetWarning, stacklevel=user_stacklevel())
+        for key in [k for k, p in self._plans.items() if p is planned]:
+            del self._plans[key]
+            self._states.pop(key, None)
 
     def _engine_options(self, engine: str) -> PlannerOptions:
         """The planner's options for a step ``engine`` runs: under torch.compile recomputation only."""
@@ -623,6 +684,10 @@ class CompiledModule(torch.nn.Module):
                 "did not count, so the budget may not hold. Fix: detach the outputs no loss uses (return "
                 "out.detach(), or compute metrics under torch.no_grad()), or put every output into the loss.",
                 PartialBackwardWarning, stacklevel=user_stacklevel())
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 def _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective,

@@ -98,6 +98,11 @@ class ReplanningWarning(UserWarning):
     captured and solved again each time (seconds), and each plan is kept."""
 
 
+class StepOverBudgetWarning(UserWarning):
+    """A plan's first step, measured as the caller ran it, went over its budget: the caller's code between
+    forward and backward held more than the plan's reserve. The step is planned again with what it held."""
+
+
 class PartialBackwardWarning(UserWarning):
     """A step ran backward from only some of the outputs its plan expects gradients for: the others' saved
     activations stay on the device through that backward, which the plan did not count."""

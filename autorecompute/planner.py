@@ -153,6 +153,7 @@ class Planned:
     plan: Plan
     module: torch.nn.Module
     backward_watched: bool = False   # whether its first step's backward was checked (CompiledModule)
+    step_measured: bool = False      # whether its first step's peak was measured (CompiledModule)
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
@@ -226,7 +227,8 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     t = time.perf_counter()
     keep = options.outputs == "kept"
     profile = profile_step(gm, args, kwargs, options.loss_reserve, keep)
-    key = _cache_key(gm, signature, budget, options, entered, _device_type(args, kwargs))
+    key = _cache_key(gm, signature, budget, options, entered, _device_type(args, kwargs),
+                     checkpoints_itself(model, gm))
     cached = plan_cache.load(key) if key else None
     if cached is not None and cached.resident == dict(profile.resident) \
             and cached.loss_reserve == profile.loss_reserve and cached.outputs == options.outputs:
@@ -243,7 +245,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
               len(problem.stash_options))
     reserve = profile.loss_reserve
     baseline_peak = _unoptimized_peak(gm, args, kwargs, profile.peak, reserve, keep)
-    base = _fraction_base(model, args, kwargs, parsed, baseline_peak, reserve, keep)
+    base = _fraction_base(model, gm, args, kwargs, parsed, baseline_peak, reserve, keep)
     budget_bytes = resolve_budget(parsed, base)
     runtime = StashRuntime(options.offload_dir) if problem.stash_options else None
     verify = _verifier(gm, problem, runtime, args, kwargs, reserve, keep)
@@ -255,7 +257,9 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     else:
         search, found = _search(problem, budget_bytes, baseline_peak, gm, verify, options, in_thread)
     if found is None:
-        peak = search.minimum()[1] if options.engine == "eager" else measure(search.minimum()[2])
+        _, peak, decisions = search.minimum()
+        if options.engine == "torch.compile":
+            peak = measure(decisions, peak)
         raise InfeasibleBudgetError(budget_bytes, peak, _breakdown(profile, peak), options.actions,
                                     fraction=parsed if isinstance(parsed, float) else None, baseline=base)
     if options.engine == "eager":
@@ -316,7 +320,8 @@ def _search(problem: Problem, budget: int, baseline: int, gm: torch.fx.GraphModu
 def _search_compiled(problem: Problem, budget: int, baseline: int, gm: torch.fx.GraphModule, verify,
                      options: PlannerOptions, in_thread, measure) -> tuple[Search, object, int]:
     """(search, found, the compiled step's peak) for a step torch.compile runs: each plan found is measured as
-    compiled (``measure(decisions)``: its partition can hold other tensors than eager autograd around the regions);
+    compiled (``measure(decisions, eager_peak)``: its partition can hold other tensors than eager autograd around
+    the regions);
     where that exceeds ``budget``, the search runs again under a budget lowered by the excess, up to
     :data:`COMPILED_SEARCHES` times. None found: no plan's compiled step fits."""
     target = budget
@@ -324,7 +329,7 @@ def _search_compiled(problem: Problem, budget: int, baseline: int, gm: torch.fx.
         search, found = _search(problem, target, baseline, gm, verify, options, in_thread)
         if found is None:
             break
-        peak = measure(found.decisions)
+        peak = measure(found.decisions, found.peak)
         log.info("torch.compile's step of the plan under %s: %s (eager's %s)", format_bytes(target),
                  format_bytes(peak), format_bytes(found.peak))
         if peak <= budget:
@@ -335,10 +340,17 @@ def _search_compiled(problem: Problem, budget: int, baseline: int, gm: torch.fx.
 
 def _compiled_peak(gm: torch.fx.GraphModule, problem: Problem, args: tuple, kwargs: dict, reserve: int,
                    keep_outputs: bool):
-    """``measure(decisions) -> peak``: the plan's step as torch.compile runs it (:mod:`verify_compiled`)."""
-    def measure(decisions: SearchPlan) -> int:
+    """``measure(decisions, eager_peak) -> peak``: the plan's step as torch.compile runs it
+    (:mod:`~autorecompute.passes.verify_compiled`); where dynamo cannot trace it as one graph, ``eager_peak``."""
+    def measure(decisions: SearchPlan, eager_peak: int) -> int:
         rewrite = rewrite_of(problem, *decisions, ())
-        return compiled_step_memory(gm, rewrite, args, kwargs, reserve, keep_outputs).peak
+        try:
+            return compiled_step_memory(gm, rewrite, args, kwargs, reserve, keep_outputs).peak
+        except Exception as error:     # noqa: BLE001 — dynamo cannot trace it whole: eager's measure stands
+            log.warning("autorecompute could not measure the step as torch.compile runs it (%s: %s); the plan "
+                        "is held to the eager step's peak, which the compiled step can exceed",
+                        type(error).__name__, str(error).splitlines()[0][:200])
+            return eager_peak
     return measure
 
 
@@ -355,7 +367,7 @@ def search_setup(problem: Problem, options: PlannerOptions) -> tuple[float, Stra
 
 
 def _cache_key(gm: torch.fx.GraphModule, signature: str, budget, options: PlannerOptions, autocast: list,
-               device_type: str) -> str | None:
+               device_type: str, own_checkpoints: bool) -> str | None:
     """The plan cache's key for this step, or None where plans are not cached: the cache off, or a search
     with its strategies replaced."""
     if options.strategies != Strategies() or plan_cache.cache_dir() is None:
@@ -363,7 +375,9 @@ def _cache_key(gm: torch.fx.GraphModule, signature: str, budget, options: Planne
     searched = {"actions": options.actions, "solver_time_limit": options.solver_time_limit, "seed": options.seed,
                 "compress_dtypes": options.compress_dtypes, "objective": options.objective,
                 "loss_reserve": options.loss_reserve, "outputs": options.outputs, "transfer": repr(options.transfer),
-                "autocast": repr(autocast), "distributed": distributed(), "engine": options.engine}
+                "autocast": repr(autocast), "distributed": distributed(), "engine": options.engine,
+                # a fraction of the model's own checkpointed step is another budget than of the same graph's
+                "own_checkpoints": own_checkpoints}
     return plan_cache.plan_key(gm, signature, budget, searched, device_type)
 
 
@@ -405,19 +419,22 @@ def _verifier(gm: torch.fx.GraphModule, problem: Problem, runtime: StashRuntime 
     return verify
 
 
-def checkpoints_itself(model: torch.nn.Module) -> bool:
-    """Whether the model runs ``torch.utils.checkpoint`` itself (a Hugging Face model after
-    ``activation_checkpointing_enable()`` / ``gradient_checkpointing_enable()``). Capture traces through the
-    checkpoints, so the plan decides what is recomputed."""
+def checkpoints_itself(model: torch.nn.Module, gm: torch.fx.GraphModule | None = None) -> bool:
+    """Whether the model runs ``torch.utils.checkpoint`` itself: its forward called it while captured
+    (``gm``), or it is a Hugging Face model after ``activation_checkpointing_enable()`` /
+    ``gradient_checkpointing_enable()``. Capture traces through the checkpoints, so the plan decides what is
+    recomputed."""
+    if gm is not None and gm.meta.get("checkpoints_itself"):
+        return True
     return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
 
 
-def _fraction_base(model: torch.nn.Module, args: tuple, kwargs: dict, parsed, unoptimized: int, reserve: int,
-                   keep_outputs: bool) -> int:
+def _fraction_base(model: torch.nn.Module, gm: torch.fx.GraphModule, args: tuple, kwargs: dict, parsed,
+                   unoptimized: int, reserve: int, keep_outputs: bool) -> int:
     """What a fractional budget is a fraction of: the unoptimized step's peak, or, for a model that checkpoints
     itself, the peak of its own step with its checkpoints where that is lower (measured on fake tensors), so
     that compiling it never asks for more than the step it had at the same fraction."""
-    if not isinstance(parsed, float) or not checkpoints_itself(model):
+    if not isinstance(parsed, float) or not checkpoints_itself(model, gm):
         return unoptimized
     own = fake_step_memory(model, args, kwargs, reserve, keep_outputs).peak
     log.info("%s checkpoints itself: its own step peaks at %s (unoptimized %s); budget=%s is a fraction of the "

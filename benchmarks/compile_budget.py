@@ -50,7 +50,7 @@ import torch
 import torch._dynamo
 import torch._functorch.config as functorch_config
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
+from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
@@ -135,7 +135,7 @@ class Recorder:
         def compiler(kind):
             def compile_(g, inputs):
                 self._record(g, kind)
-                return make_boxed_func(g.forward)
+                return boxed_nop(g, inputs)     # aot_eager's: each input freed after its last use
             return compile_
         return aot_autograd(fw_compiler=compiler("fw"), bw_compiler=compiler("bw"),
                             partition_fn=min_cut_rematerialization_partition,

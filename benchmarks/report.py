@@ -518,8 +518,18 @@ def write_markdown(rows, summaries, seconds: float, quick: bool, path: Path) -> 
              "* Gradient differences of the compress (lossy) rows are absolute: the unit gradient on every "
              "logit makes some gradients ~10³–10⁴ in magnitude; their cosine similarity to eager is ≥ 0.999 "
              "(`tests/test_offload.py`)."]
+    text += compile_section(Path(__file__).resolve().parent / "results")
     text += cuda_section(Path(__file__).resolve().parent / "results")
     path.write_text("\n".join(text) + "\n")
+
+
+def compile_section(results: Path) -> list[str]:
+    """The head-to-head under torch.compile (``benchmarks/compile_head_to_head.py``), when it left results."""
+    path = results / "compile_head_to_head.json"
+    if not path.exists():
+        return []
+    from compile_head_to_head import section
+    return section(json.loads(path.read_text()))
 
 
 def _ratio(value) -> str:

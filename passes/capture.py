@@ -71,13 +71,18 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     _warn_of_hooks(model)
     try:
         with _eager_mask_decisions(model, args, kwargs), _quiet_export_diagnostics(), \
-                _autograd_functions_applied() as functions, side_effects_recorded(model) as side_effects:
+                _autograd_functions_applied() as functions, side_effects_recorded(model) as side_effects, \
+                _checkpoints_run() as checkpoints:
             exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
     except Exception as exc:  # export raises many types; all mean "cannot capture"
         raise CaptureError(_capture_failure(model, exc)) from exc
     refuse_or_warn(model, side_effects)
+    _refuse_reentrant_checkpoint(model, functions)
     _refuse_custom_backward(model, functions)
     gm = exported.module()
+    # the model's own checkpoints are traced through (the plan decides what runs again); a fractional budget
+    # is of the step the model had with them (planner._fraction_base)
+    gm.meta["checkpoints_itself"] = bool(checkpoints)
     _refuse_data_dependent_shapes(gm, model)
     _warn_of_autocast_regions(gm, model)
     _share_state_with(gm, model)
@@ -107,6 +112,41 @@ def _autograd_functions_applied() -> Iterator[set]:
         yield applied
     finally:
         torch.autograd.Function.apply = original
+
+
+@contextlib.contextmanager
+def _checkpoints_run() -> Iterator[list]:
+    """Whether the traced forward runs non-reentrant ``torch.utils.checkpoint`` (its generator, looked up at
+    each call; the reentrant one is refused: :func:`_refuse_reentrant_checkpoint`)."""
+    import torch.utils.checkpoint as checkpoint_module
+
+    ran: list = []
+    original = checkpoint_module._checkpoint_without_reentrant_generator
+
+    def generator(*args, **kwargs):
+        ran.append(True)
+        return original(*args, **kwargs)
+
+    checkpoint_module._checkpoint_without_reentrant_generator = generator
+    try:
+        yield ran
+    finally:
+        checkpoint_module._checkpoint_without_reentrant_generator = original
+
+
+def _refuse_reentrant_checkpoint(model: torch.nn.Module, functions: set) -> None:
+    """Reentrant ``torch.utils.checkpoint`` runs its function under ``no_grad`` and recomputes it in its own
+    backward, which ``torch.export`` drops: the captured graph would give the checkpointed parameters no
+    gradients. Refused, with the way out."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    if CheckpointFunction in functions:
+        raise CaptureError(
+            f"{type(model).__name__} calls torch.utils.checkpoint with use_reentrant=True: it runs the checkpointed "
+            "function under no_grad and recomputes it in its own backward, which a captured graph drops, so the "
+            "function's parameters would get no gradients. Fix: use_reentrant=False (what PyTorch recommends; "
+            "Hugging Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})) "
+            "— autorecompute then plans what the checkpoints ran again — or turn the model's checkpointing off.")
 
 
 def _refuse_custom_backward(model: torch.nn.Module, functions: set) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_map, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
 
 from autorecompute.decisions import Rewrite
 from autorecompute.passes.apply_plan import apply_plan
@@ -48,7 +48,7 @@ def compiled_step_memory(gm: torch.fx.GraphModule, rewrite: Rewrite, args: tuple
     state.update({name: _on_meta(t, memo) for name, t in module.named_buffers(remove_duplicate=False)})
     state.update({name: _on_meta(t, memo) for name, t in _tensor_constants(module) if name not in state})
     meta_args, meta_kwargs = tree_map(lambda v: _on_meta(v, memo), (tuple(args), dict(kwargs)))
-    tracker = _MetaGraphTracker()
+    tracker = _MetaGraphTracker(scratch_device=_device_of(module, args, kwargs))
     with _reparametrize_module(module, state, tie_weights=True), torch.enable_grad():
         compiled = torch.compile(module, backend=_tracked_backend(tracker), fullgraph=True)
         outputs = compiled(*meta_args, **meta_kwargs)
@@ -56,11 +56,21 @@ def compiled_step_memory(gm: torch.fx.GraphModule, rewrite: Rewrite, args: tuple
         if not keep_outputs:
             outputs = tensors
         if tensors:
+            # the unit gradients, held through backward, and the caller's loss beside them as it starts
             seeds = [torch.ones_like(t) for t in tensors]
-            tracker.hold(tensor_bytes(seeds) + (loss_reserve_bytes(tensors) if reserve == AUTO else int(reserve)))
+            held = loss_reserve_bytes(tensors) if reserve == AUTO else int(reserve)
+            tracker.hold(tensor_bytes(seeds) + held)
+            tracker.hold(-held)
             torch.autograd.backward(tensors, seeds)
         del outputs, tensors
     return StepMemory(resident=resident, tracked_peak=tracker.peak)
+
+
+def _device_of(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device | None:
+    """The device the step runs on (whose kernels' scratch the meta step counts), None on meta."""
+    tensors = [*module.parameters(), *(v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor))]
+    device = tensors[0].device if tensors else None
+    return None if device is None or device.type == "meta" else device
 
 
 def _make_on_meta(module: torch.nn.Module) -> None:
@@ -126,14 +136,17 @@ def _tracked_backend(tracker: LiveStorageTracker):
     """``aot_autograd`` with torch.compile's default partition, each graph run op by op (``aot_eager``)
     with ``tracker`` active."""
     from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     def graph_compiler(gm: torch.fx.GraphModule, example_inputs):
+        # aot_eager's: the boxed graph takes the list and frees each input after its last use, as a compiled
+        # backward frees the saved tensors
+        compiled = boxed_nop(gm, example_inputs)
+
         def run(args: list):
             with tracker:
-                # boxed: the interpreter takes the list and frees each input after its last use, as the
-                # compiled backward frees the saved tensors
-                return torch.fx.Interpreter(gm).boxed_run(args)
+                return compiled(args)
         run._boxed_call = True
         return run
 

@@ -246,8 +246,9 @@ class StraightThroughRound(torch.autograd.Function):
 
 def test_a_custom_autograd_function_is_refused_not_differentiated_otherwise():
     """torch.export traces a custom Function's forward and drops its backward: the graph's gradient of a
-    straight-through round would be 0. Refused with a CaptureError naming it; PyTorch's own Functions (the
-    reentrant checkpoint's) are not custom."""
+    straight-through round would be 0. Refused with a CaptureError naming it. PyTorch's reentrant checkpoint
+    is refused too (its function runs under no_grad: the graph would give its parameters no gradients), with
+    its own fix."""
     class Quantized(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -267,7 +268,8 @@ def test_a_custom_autograd_function_is_refused_not_differentiated_otherwise():
         def forward(self, x):
             return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=True)
 
-    assert capture(Reentrant(), (torch.randn(2, 8, requires_grad=True),), {}) is not None
+    with pytest.raises(autorecompute.CaptureError, match="use_reentrant=False"):
+        capture(Reentrant(), (torch.randn(2, 8, requires_grad=True),), {})
     assert type(torch.autograd.Function.__dict__["apply"]).__name__ != "function"   # the original, restored
 
 

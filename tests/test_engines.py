@@ -21,6 +21,14 @@ from autorecompute.runtime.memory import allocated_peak, output_tensors_for_back
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test's modules compiled afresh: dynamo compiles ``CompiledModule.forward`` once per instance, up to
+    its recompile limit per code object, and runs it eagerly after that."""
+    torch._dynamo.reset()
+    yield
+
+
 class CountingAotEager:
     """``aot_eager``, counting the calls of the forward graphs it compiled."""
 
@@ -72,7 +80,7 @@ def eager_and_compiled(name: str, budget: float = 0.6):
     return case, plan, eager_peak, eager_grads, peak, grads
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "transformer_encoder"])
+@pytest.mark.parametrize("name", ["gpt", "llama", "transformer_encoder", "resnet"])
 def test_torch_compile_of_a_plan_keeps_its_budget_and_eager_gradients(name):
     case, plan, eager_peak, eager_grads, peak, grads = eager_and_compiled(name)
     assert plan.engine == "torch.compile" and plan.count("recompute") > 0
@@ -127,12 +135,13 @@ def test_actions_a_compiled_graph_cannot_run_are_refused_under_torch_compile():
         traced(*case.args, **case.kwargs)
 
 
-def test_inductor_runs_the_plan_within_its_budget():
+@pytest.mark.parametrize("name", ["gpt", "llama", "resnet"])
+def test_inductor_runs_the_plan_within_its_budget(name):
     """Inductor's fused kernels, from the same partition: within the budget, eager's gradients to rounding
     (its random numbers made as eager makes them)."""
     import torch._inductor.config as inductor_config
 
-    case = models.make("gpt")
+    case = models.make(name)
     _, eager_grads, _ = measured(case.model, case)
     opt = autorecompute.compile(case.model, budget=0.6, loss_reserve=0)
     with inductor_config.patch(fallback_random=True):

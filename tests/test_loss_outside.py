@@ -73,6 +73,82 @@ def test_a_loss_outside_the_model_fits_the_budget_from_the_first_step(name):
     assert compiled.plan.loss_reserve > 0
 
 
+def wide_loss(outputs) -> torch.Tensor:
+    """A loss of the user's own that holds more than cross-entropy's reserve: float64 temporaries."""
+    error = _logits(outputs).double() - 0.5
+    return (error * error).mean() + (error.abs() ** 1.5).mean()
+
+
+class AllocatorReading:
+    """What ``FirstStep`` reads on a GPU (the allocator's peak over the step), read here from the CPU
+    allocator's events around the step (``_allocated_step``); ``FirstStep`` measures on CUDA only."""
+
+    def __init__(self):
+        self.peak = None
+        self.closed = False
+
+    @property
+    def done(self):
+        return self.peak is not None
+
+    def watch(self, outputs):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_a_step_over_its_budget_is_planned_again_with_what_the_callers_code_held(name, monkeypatch):
+    """The first step of a plan is measured as the caller runs it, loss included: where a loss holds more than
+    the reserve, that step goes over its budget; the next forward says so (StepOverBudgetWarning) and plans
+    again with the measured excess reserved, and every later step fits, with eager's gradients."""
+    from autorecompute.runtime.first_step import FirstStep
+
+    readings = []
+    monkeypatch.setattr(FirstStep, "start", classmethod(
+        lambda cls, model, args, kwargs: readings.append(AllocatorReading()) or readings[-1]))
+    case = models.make(name)
+    eager_peak, eager_loss, eager_grads = _measured_step(case.model, case, wide_loss)
+    module_minimum = autorecompute.minimum_peak(case.model, *case.args, **case.kwargs, loss_reserve=0,
+                                                solver_time_limit=SOLVER_TIME)
+    budget = (module_minimum + eager_peak) // 2
+    compiled = autorecompute.compile(case.model, budget=budget, solver_time_limit=SOLVER_TIME)
+    first, _, _ = _allocated_step(compiled, case, wide_loss, readings)
+    reserved = compiled.plan.loss_reserve
+    assert first > budget                           # the reserve for cross-entropy is not enough for this loss
+    with pytest.warns(autorecompute.StepOverBudgetWarning, match="Planning these inputs again"):
+        peak, loss, grads = _allocated_step(compiled, case, wide_loss, readings)
+    assert compiled.plan.loss_reserve > reserved
+    for _ in range(2):
+        assert peak <= budget
+        assert torch.equal(loss, eager_loss)
+        assert all(torch.equal(grads[n], eager_grads[n]) for n in eager_grads)
+        peak, loss, grads = _allocated_step(compiled, case, wide_loss, readings)
+    assert len(readings) == 2                       # the first step of each plan, and no other
+
+
+def _allocated_step(step_module, case, loss_fn, readings):
+    """(peak, loss, gradients) of one step, its peak from the CPU allocator's events, handed to the reading of
+    the plan's first step if this was one."""
+    from autorecompute.runtime.memory import allocated_peak, resident_bytes
+
+    case.model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    losses = []
+
+    def step():
+        loss = loss_fn(step_module(*case.args, **case.kwargs))
+        loss.backward()
+        losses.append(loss.detach())
+    count = len(readings)
+    peak = resident_bytes(case.model, case.args, case.kwargs) + allocated_peak(step)
+    if len(readings) > count:
+        readings[-1].peak = peak
+    grads = {n: p.grad.clone() for n, p in case.model.named_parameters() if p.grad is not None}
+    return peak, losses[0], grads
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "resnet", "mlp"])
 def test_at_the_modules_own_minimum_every_step_fits_or_the_refusal_names_a_budget_that_does(name):

@@ -126,6 +126,28 @@ def test_a_fake_recurrent_step_measures_what_the_real_one_allocates(cell):
 
 
 
+def test_cpu_convolution_scratch_is_counted_as_the_allocator_sees_it(monkeypatch):
+    """oneDNN's convolutions take scratch no tensor shows (reordered inputs and weights): measured once per
+    signature from the allocator's events and added at each call, the fake step (what plans are verified
+    with), the real step under the tracker and the allocator's own walk give one peak, to the byte."""
+    from autorecompute.passes.verify import fake_step_memory
+    from autorecompute.runtime import memory
+    from autorecompute.runtime.memory import allocated_peak, resident_bytes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(32, 16, 3, padding=1))
+    x = torch.randn(8, 16, 32, 32)
+    fake = fake_step_memory(model, (x,), {}).peak
+    tracked = measure_step(model, (x,), {}).peak
+    model.zero_grad(set_to_none=True)
+    walked = resident_bytes(model, (x,), {}) + allocated_peak(lambda: model(x).backward(torch.ones(8, 16, 32, 32)))
+    assert fake == tracked == walked, (fake, tracked, walked)
+    model.zero_grad(set_to_none=True)
+    monkeypatch.setattr(memory, "has_scratch", lambda func, inputs: False)
+    assert measure_step(model, (x,), {}).peak < tracked          # the storages alone reach less
+
+
 class LossInside(torch.nn.Module):
     """An MLP whose forward returns its own loss: a pointwise loss, reduced."""
 

@@ -17,8 +17,9 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autorecompute.runtime.workspaces import (DISTINCT_OUTPUTS, real_output_bytes, sized_by_running, warm_up_blas,
-                                              workspace_bytes)
+from autorecompute.runtime.allocations import allocated_peak  # noqa: F401 — measured steps' tool, here too
+from autorecompute.runtime.workspaces import (DISTINCT_OUTPUTS, has_scratch, real_output_bytes, sized_by_running,
+                                              warm_up_blas, workspace_bytes)
 
 
 def _storages(values: Iterable[Any]):
@@ -59,8 +60,10 @@ class LiveStorageTracker(TorchDispatchMode):
     # are, their results counted like an op's
     supports_higher_order_operators = True
 
-    def __init__(self) -> None:
+    def __init__(self, scratch_device: torch.device | None = None) -> None:
+        """``scratch_device``: the device meta tensors stand for, whose kernels' scratch is counted."""
         super().__init__()
+        self.scratch_device = scratch_device
         self.current = 0
         self.peak = 0
         self._window_peak = 0
@@ -73,7 +76,7 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def hold(self, nbytes: int) -> None:
         """Counts ``nbytes`` held from now on by tensors made out of its sight (outside a compiled graph
-        the tracker runs inside)."""
+        the tracker runs inside); negative: released."""
         self.current += nbytes
         self.peak = max(self.peak, self.current)
         self._window_peak = max(self._window_peak, self.current)
@@ -111,9 +114,10 @@ class LiveStorageTracker(TorchDispatchMode):
             self.current += nbytes
             weakref.finalize(storage, self._free, key)
         level = self.current
-        if any(t.device.type == "cuda" for t in inputs):
+        if has_scratch(func, inputs):
             # the kernel's own scratch, live with its inputs and outputs (measured on the device)
-            level += workspace_bytes(func, args, kwargs)
+            level += workspace_bytes(func, args, kwargs, real=self.scratch_device is not None or not is_fake(inputs[0]),
+                                     device=self.scratch_device)
         if level > self.peak:
             self.peak = level
         if level > self._window_peak:
@@ -315,39 +319,6 @@ def measure_step(module: torch.nn.Module, args: tuple, kwargs: dict | None = Non
         outputs = step(module, args, kwargs)
         del outputs
     return StepMemory(resident=resident, tracked_peak=tracker.peak)
-
-
-def allocated_peak(step: Callable[[], Any]) -> int:
-    """The most bytes ``step()`` has allocated on the CPU and not yet freed at once, from the allocator's events
-    as ``torch.profiler`` records them: every allocation, kernels' scratch and ``torch.compile``'d graphs
-    included. A :class:`LiveStorageTracker` sees tensor storages only, and under it dynamo runs a compiled
-    module eagerly; this is how a compiled step is measured on a CPU. Memory allocated before the step and
-    freed inside it is not subtracted (as the tracker ignores it).
-
-    Example:
-        >>> allocated_peak(lambda: torch.ones(256, 256) * 2) >= 2 * 256 * 256 * 4
-        True
-    """
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.tag == _EventType.Allocation:
-            events.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr))
-        stack.extend(event.children)
-    live, current, peak = {}, 0, 0
-    for _, size, ptr in sorted(events, key=lambda e: e[0]):   # stable: same-time events keep the tree's order
-        if size > 0:
-            live[ptr] = live.get(ptr, 0) + size
-            current += size
-        elif ptr in live:
-            current -= live.pop(ptr)
-        peak = max(peak, current)
-    return peak
 
 
 def measure_peak(step: Callable[[], Any], *state: Any) -> StepMemory:

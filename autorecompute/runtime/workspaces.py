@@ -53,13 +53,16 @@ def _probed_op(func) -> bool:
             and func not in _SKIPPED_OPS and not any(tag in func.tags for tag in _SKIPPED_TAGS))
 
 
-def _signature(func, args, kwargs, cuda_only: bool = True) -> tuple[tuple, Any, list] | None:
-    """(key, treespec, leaves) for an op call with a tensor on a CUDA device (any call: ``cuda_only=False``),
-    else None; the key is the op and the leaves (tensors described by shape, stride, dtype and device)."""
+def _signature(func, args, kwargs, cuda_only: bool = True,
+               device: torch.device | None = None) -> tuple[tuple, Any, list] | None:
+    """(key, treespec, leaves) for an op call whose scratch is measured — one with a tensor on a CUDA device,
+    or a CPU kernel of :data:`CPU_SCRATCH_OPS` — (any call: ``cuda_only=False``), else None; the key is the op
+    and the leaves (tensors described by shape, stride, dtype and device: ``device`` where given, for meta
+    tensors standing for that device's)."""
     leaves, spec = tree_flatten((args, kwargs))
-    described = [_TensorLike(tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device)
+    described = [_TensorLike(tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, device or leaf.device)
                  if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    if cuda_only and not any(isinstance(leaf, _TensorLike) and leaf.device.type == "cuda" for leaf in described):
+    if cuda_only and _device_of(func, described) is None:
         return None
     key = (func, *described)
     try:
@@ -69,21 +72,43 @@ def _signature(func, args, kwargs, cuda_only: bool = True) -> tuple[tuple, Any, 
     return key, spec, described
 
 
-def workspace_bytes(func, args, kwargs) -> int:
-    """The scratch bytes one call of ``func`` takes on its CUDA device, as measured; 0 off CUDA, for ops not
-    probed, and for a signature not measured yet (it is then queued for :func:`probe_pending`)."""
+def _device_of(func, described: list) -> torch.device | None:
+    """The device whose scratch a call takes, where it is measured: CUDA, or the CPU for
+    :data:`CPU_SCRATCH_OPS`."""
+    devices = [leaf.device for leaf in described if isinstance(leaf, _TensorLike)]
+    cuda = next((device for device in devices if device.type == "cuda"), None)
+    if cuda is not None:
+        return cuda
+    if func in CPU_SCRATCH_OPS and devices and all(device.type == "cpu" for device in devices):
+        return devices[0]
+    return None
+
+
+def has_scratch(func, inputs: list[torch.Tensor]) -> bool:
+    """Whether a call of ``func`` on ``inputs`` may take scratch that is measured (the tracker's test)."""
+    return func in CPU_SCRATCH_OPS or any(t.device.type == "cuda" for t in inputs)
+
+
+def workspace_bytes(func, args, kwargs, real: bool = False, device: torch.device | None = None) -> int:
+    """The scratch bytes one call of ``func`` takes on its CUDA device (or on the CPU, for
+    :data:`CPU_SCRATCH_OPS`), as measured; 0 for ops not probed, and for a signature not measured yet: it is
+    then queued for :func:`probe_pending`, or, for a CPU call on ``real`` tensors (a measured step, which is
+    not run again), measured at once (milliseconds). ``device``: the device meta tensors stand for."""
     if not _probed_op(func):
         return 0
-    signature = _signature(func, args, kwargs or {})
+    signature = _signature(func, args, kwargs or {}, device=device)
     if signature is None:
         return 0
     key, spec, described = signature
     with _lock:
         scratch = _measured.get(key)
-        if scratch is None:
-            _pending.setdefault(key, (func, spec, described))
-            return 0
-    return scratch
+        if scratch is not None:
+            return scratch
+        _pending.setdefault(key, (func, spec, described))
+    if real and _device_of(func, described).type == "cpu":
+        probe_pending()
+        return _measured.get(key, 0)
+    return 0
 
 
 def has_pending() -> bool:
@@ -108,7 +133,11 @@ def probe_pending() -> int:
         _pending.clear()
     for key, (func, spec, described) in pending:
         try:
-            scratch = _probe(func, spec, described) if torch.cuda.is_available() else 0
+            device = _device_of(func, described)
+            if device.type == "cpu":
+                scratch = _probe_cpu(func, spec, described)
+            else:
+                scratch = _probe(func, spec, described) if torch.cuda.is_available() else 0
         except Exception as error:    # noqa: BLE001 — a probe must never stop planning; logged, counted 0
             log.warning("could not measure the workspace of %s: %s", func, error)
             scratch = 0
@@ -144,6 +173,27 @@ def _probe(func, spec, described) -> int:
         scratch = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
         del out
     return max(0, scratch)
+
+
+def _probe_cpu(func, spec, described) -> int:
+    """The most bytes a CPU call allocates beyond its outputs, from the allocator's events (twice: a first
+    call may create oneDNN primitives a later one reuses)."""
+    from autorecompute.runtime.allocations import allocated_peak
+
+    args, kwargs = tree_unflatten([_materialize(leaf) for leaf in described], spec)
+    scratch = 0
+    for _ in range(2):
+        held: list = []
+        peak = allocated_peak(lambda: held.append(func(*args, **kwargs)))
+        outputs = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                   for t in tree_flatten(held)[0] if isinstance(t, torch.Tensor)}
+        scratch = peak - sum(outputs.values())
+    return max(0, scratch)
+
+
+# CPU kernels that take memory no tensor shows, for the length of a call: oneDNN's convolutions (inputs and
+# weights reordered to its blocked layouts, im2col buffers), forward and backward.
+CPU_SCRATCH_OPS = frozenset({torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default})
 
 
 # Ops whose fake (meta) kernel makes an output smaller than the real kernel does: the RNN kernels' reserve
