@@ -217,13 +217,18 @@ def test_two_forwards_before_one_backward_with_batch_norm_made_again():
 
 
 @pytest.mark.slow
-def test_a_tensor_is_made_again_from_the_input_twice():
+def test_a_tensor_is_made_again_from_the_input_twice(monkeypatch):
     """VGG's first block: each of its 0.5-MiB tensors is needed at its own backward, but made from the one
     before it. A region (recomputed once, held to its last use) or a chain (handing over what it makes on
     its way) holds two at once; ``rematerialize:through`` makes each from the image just before its backward,
     the earlier ones again as temporaries. The lowest peak falls, the measured step stays within it, and
-    gradients and BatchNorm statistics are eager's."""
+    gradients and BatchNorm statistics are eager's. (In tensor storages: the CPU convolutions' scratch puts a
+    floor of 6.32 MiB under both lowest peaks.)"""
     import copy
+
+    from autorecompute.runtime import memory
+
+    monkeypatch.setattr(memory, "has_scratch", lambda func, inputs: False)
     from dataclasses import replace
 
     import models
