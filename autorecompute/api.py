@@ -510,7 +510,9 @@ class CompiledModule(torch.nn.Module):
         if planned.step_measured or self.__dict__.get("_first_step") is not None or _in_backward():
             return None
         step = FirstStep.start(self._model, args, kwargs)
-        if step is not None:
+        if step is None:
+            planned.step_measured = True     # not measurable here: no attempt at every later step
+        else:
             self.__dict__["_first_step"] = (input_signature(args, kwargs), planned, step)
         return step
 

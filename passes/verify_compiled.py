@@ -9,9 +9,9 @@ partitioner makes: the plan's module compiled by dynamo with ``aot_autograd`` an
 :class:`~autorecompute.runtime.memory.LiveStorageTracker` (what ``aot_eager`` runs), on meta copies of the
 state and inputs: no memory, no kernels, seconds of tracing.
 
-The tracker runs inside the compiled graphs only (dynamo does not compile under a dispatch mode), so what the
-step holds outside them, the unit gradients and the caller's loss reserve at the start of backward, is added
-as backward starts.
+The tracker runs inside the compiled graphs only (dynamo does not compile under a dispatch mode), and over what
+the step makes outside them: the unit gradients and the caller's loss reserve at the start of backward
+(``run_step(tracking=...)``).
 """
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
 
 from autorecompute.decisions import Rewrite
 from autorecompute.passes.apply_plan import apply_plan
-from autorecompute.runtime.memory import (AUTO, LiveStorageTracker, StepMemory, loss_reserve_bytes,
-                                          output_tensors_for_backward, resident_bytes, tensor_bytes)
+from autorecompute.runtime.memory import LiveStorageTracker, StepMemory, resident_bytes, run_step
 
 META = torch.device("meta")
 
@@ -51,18 +50,8 @@ def compiled_step_memory(gm: torch.fx.GraphModule, rewrite: Rewrite, args: tuple
     tracker = _MetaGraphTracker(scratch_device=_device_of(module, args, kwargs))
     with _reparametrize_module(module, state, tie_weights=True), torch.enable_grad():
         compiled = torch.compile(module, backend=_tracked_backend(tracker), fullgraph=True)
-        outputs = compiled(*meta_args, **meta_kwargs)
-        tensors = output_tensors_for_backward(outputs)
-        if not keep_outputs:
-            outputs = tensors
-        if tensors:
-            # the unit gradients, held through backward, and the caller's loss beside them as it starts
-            seeds = [torch.ones_like(t) for t in tensors]
-            held = loss_reserve_bytes(tensors) if reserve == AUTO else int(reserve)
-            tracker.hold(tensor_bytes(seeds) + held)
-            tracker.hold(-held)
-            torch.autograd.backward(tensors, seeds)
-        del outputs, tensors
+        # the unit gradients and the caller's loss reserve are made outside the graphs: tracked there too
+        run_step(compiled, meta_args, meta_kwargs, reserve, keep_outputs, tracking=tracker)
     return StepMemory(resident=resident, tracked_peak=tracker.peak)
 
 

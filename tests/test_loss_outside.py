@@ -36,7 +36,8 @@ def smooth_l1(outputs) -> torch.Tensor:
     return F.smooth_l1_loss(logits, torch.full_like(logits, 0.5))
 
 
-def _measured_step(step_module, case, loss_fn):
+def _measured_step(step_module, case, loss_fn, measure=None):
+    """(peak, loss, gradients) of one step from seed 1, its peak from ``measure_peak`` or ``measure(step)``."""
     case.model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
     losses = []
@@ -45,9 +46,9 @@ def _measured_step(step_module, case, loss_fn):
         loss = loss_fn(step_module(*case.args, **case.kwargs))
         loss.backward()
         losses.append(loss.detach())
-    memory = autorecompute.measure_peak(step, case.model, case.args, case.kwargs)
+    peak = measure(step) if measure else autorecompute.measure_peak(step, case.model, case.args, case.kwargs).peak
     grads = {n: p.grad.clone() for n, p in case.model.named_parameters() if p.grad is not None}
-    return memory.peak, losses[0], grads
+    return peak, losses[0], grads
 
 
 @pytest.mark.slow
@@ -85,7 +86,6 @@ class AllocatorReading:
 
     def __init__(self):
         self.peak = None
-        self.closed = False
 
     @property
     def done(self):
@@ -95,7 +95,7 @@ class AllocatorReading:
         pass
 
     def close(self):
-        self.closed = True
+        pass
 
 
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
@@ -129,24 +129,17 @@ def test_a_step_over_its_budget_is_planned_again_with_what_the_callers_code_held
 
 
 def _allocated_step(step_module, case, loss_fn, readings):
-    """(peak, loss, gradients) of one step, its peak from the CPU allocator's events, handed to the reading of
-    the plan's first step if this was one."""
+    """``_measured_step`` with the peak from the CPU allocator's events, handed to the reading of the plan's
+    first step if this was one."""
     from autorecompute.runtime.memory import allocated_peak, resident_bytes
 
-    case.model.zero_grad(set_to_none=True)
-    torch.manual_seed(1)
-    losses = []
-
-    def step():
-        loss = loss_fn(step_module(*case.args, **case.kwargs))
-        loss.backward()
-        losses.append(loss.detach())
-    count = len(readings)
-    peak = resident_bytes(case.model, case.args, case.kwargs) + allocated_peak(step)
-    if len(readings) > count:
-        readings[-1].peak = peak
-    grads = {n: p.grad.clone() for n, p in case.model.named_parameters() if p.grad is not None}
-    return peak, losses[0], grads
+    def measure(step):
+        count = len(readings)
+        peak = resident_bytes(case.model, case.args, case.kwargs) + allocated_peak(step)
+        if len(readings) > count:
+            readings[-1].peak = peak
+        return peak
+    return _measured_step(step_module, case, loss_fn, measure)
 
 
 @pytest.mark.slow

@@ -42,10 +42,6 @@ class FirstStep:
     def done(self) -> bool:
         return self.peak is not None
 
-    @property
-    def closed(self) -> bool:
-        return not self._open
-
     def watch(self, outputs) -> None:
         """Ends the measurement when backward, started from any of ``outputs``' differentiable tensors, ends."""
         tensors = [t for t in output_tensors_for_backward(outputs) if t.grad_fn is not None]

@@ -8,6 +8,7 @@ without allocating it.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -73,13 +74,6 @@ class LiveStorageTracker(TorchDispatchMode):
         """Returns the peak since the previous call and starts a new window at the current level."""
         peak, self._window_peak = self._window_peak, self.current
         return peak
-
-    def hold(self, nbytes: int) -> None:
-        """Counts ``nbytes`` held from now on by tensors made out of its sight (outside a compiled graph
-        the tracker runs inside); negative: released."""
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
-        self._window_peak = max(self._window_peak, self.current)
 
     def _free(self, key: int) -> None:
         nbytes = self._live.pop(key, None)
@@ -271,7 +265,8 @@ def loss_reserve_bytes(outputs: list[torch.Tensor]) -> int:
     return LOSS_SCALARS + sum(LOSS_TENSORS * 4 * t.numel() - t.numel() * t.element_size() for t in tensors)
 
 
-def run_step(module: Callable, args: tuple, kwargs: dict, reserve: int | str = 0, keep_outputs: bool = True) -> Any:
+def run_step(module: Callable, args: tuple, kwargs: dict, reserve: int | str = 0, keep_outputs: bool = True,
+             tracking: contextlib.AbstractContextManager | None = None) -> Any:
     """One training step as the planner models it: forward, then backward with a unit gradient on the
     model's loss if it returns one, else a dense unit gradient on every differentiable output (the gradient
     a loss computed outside hands back; :func:`output_tensors_for_backward`). ``reserve`` bytes are
@@ -279,14 +274,17 @@ def run_step(module: Callable, args: tuple, kwargs: dict, reserve: int | str = 0
     moment (:data:`AUTO`: :func:`loss_reserve_bytes` of the outputs). The outputs backward does not start from
     (the logits beside a returned loss) are held through backward when ``keep_outputs``, as ``out =
     model(...); out.loss.backward()`` holds them, or dropped first, as ``model(...).loss.backward()`` (Hugging
-    Face's Trainer) does. Returns the outputs (those backward started from when they were dropped)."""
+    Face's Trainer) does. ``tracking`` is entered while the unit gradients and the reserve are made (a tracker
+    that otherwise runs inside compiled graphs only). Returns the outputs (those backward started from when
+    they were dropped)."""
     outputs = module(*args, **kwargs)
     tensors = output_tensors_for_backward(outputs)
     if not keep_outputs:
         outputs = tensors
     if tensors:
-        seeds = [torch.ones_like(t) for t in tensors]
-        hold_reserve(tensors, reserve)
+        with tracking or contextlib.nullcontext():
+            seeds = [torch.ones_like(t) for t in tensors]
+            hold_reserve(tensors, reserve)
         torch.autograd.backward(tensors, seeds)
     return outputs
 
