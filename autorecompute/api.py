@@ -11,7 +11,7 @@ import re
 import warnings
 import weakref
 from functools import lru_cache, partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -21,6 +21,7 @@ from autorecompute.budget import format_bytes, parse_budget
 from autorecompute.errors import (EngineError, InfeasibleBudgetError, OverlappingStepsWarning, PartialBackwardWarning,
                                   ReplanningWarning, StepOverBudgetWarning, user_location, user_stacklevel)
 from autorecompute.passes.autocast import callers_autocast
+from autorecompute.loss import TARGET, LossOfModel, with_loss
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
 from autorecompute.runtime.memory import (ALLOCATOR_SLACK, device_bytes_outside, differentiable_outputs,
@@ -466,6 +467,8 @@ class CompiledModule(torch.nn.Module):
         if torch.compiler.is_compiling():
             module, kwargs = self._compiled_step(args, kwargs)
             return module(*args, **kwargs)
+        if isinstance(self._model, LossOfModel):
+            _model_keywords(kwargs, self._model.loss_fn)       # the loss's target is there, or how to pass it
         if not self._wants_plan(args, kwargs):
             return self._model(*args, **kwargs)
         self._check_last_backward()
@@ -606,7 +609,8 @@ class CompiledModule(torch.nn.Module):
 
     def _watch_outputs(self, outputs) -> None:
         """The first step of each plan: whether the outputs backward does not start from (the logits beside a
-        returned loss) are still on the device when its backward starts — kept — or freed — dropped."""
+        returned loss) are still on the device when its backward ends — kept — or freed — dropped. (At its
+        start they may be alive for backward's own sake: a lean cross-entropy saves the logits.)"""
         seeds = output_tensors_for_backward(outputs)
         reached = {t.untyped_storage()._cdata for t in seeds}
         others = [StorageWeakRef(t.untyped_storage()) for t in tree_flatten(outputs)[0]
@@ -614,9 +618,15 @@ class CompiledModule(torch.nn.Module):
         if not seeds or not others:
             return
         seen: dict = {}
+        queued: list = []
+
+        def at_end_of_backward():
+            seen.setdefault("dropped", all(ref.expired() for ref in others))
 
         def at_backward(grad):
-            seen.setdefault("dropped", all(ref.expired() for ref in others))
+            if not queued:
+                queued.append(True)
+                torch.autograd.Variable._execution_engine.queue_callback(at_end_of_backward)
         for tensor in seeds:
             tensor.register_hook(at_backward)
         self.__dict__["_outputs_seen"] = seen
@@ -735,7 +745,8 @@ def _names(value, argument: str, example: str):
 def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple[str, ...] = DEFAULT_ACTIONS,
             compress_dtypes: tuple[str, ...] | None = None, offload_dir: str | None = None,
             transfer: TransferModel | None = None, solver_time_limit: float | None = None, seed: int = 0,
-            objective: str = "time", loss_reserve: int | str = "auto", outputs: str = "auto") -> CompiledModule:
+            objective: str = "time", loss_reserve: int | str = "auto", outputs: str = "auto",
+            loss_fn: Callable | None = None) -> CompiledModule:
     """Wraps ``model`` so each training step fits in ``budget`` bytes, planning lazily per input signature.
 
     Args:
@@ -783,6 +794,11 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
             Face Trainer's step: one logits tensor less at the peak). ``"auto"`` (the default) plans them kept
             and looks at the first step: found dropped, the step is planned again for that (logged; the first
             step stays within its budget either way). ``plan.outputs`` says which a plan is for.
+        loss_fn: the loss, ``loss_fn(outputs, target) -> scalar`` (``torch.nn.CrossEntropyLoss()``, or a
+            function over the model's outputs), captured and planned with the model: the compiled module is
+            then called ``loss = compiled(*inputs, target=labels)`` and returns the loss. Its tensors are planned
+            like the model's — counted exactly instead of reserved, recomputed or offloaded where that pays, a
+            cross-entropy made a chunk of rows at a time — so budgets fit that a loss outside cannot.
 
     Example:
         >>> import autorecompute, torch
@@ -800,7 +816,7 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
         autorecompute.InfeasibleBudgetError: on the first training call, if no plan fits.
         autorecompute.CaptureError: on the first training call, if the model cannot be captured.
     """
-    model = _original(model)
+    model = with_loss(_original(model), loss_fn)
     parse_budget(budget)     # a malformed budget is refused now, not at the first step
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective,
                        loss_reserve, "kept" if outputs == "auto" else outputs)
@@ -813,6 +829,8 @@ def _without_cache(model: torch.nn.Module, kwargs: dict, tell: bool = True) -> d
     cache, and export cannot flatten one; transformers' own gradient checkpointing turns it off too. A warning
     says so when ``tell`` and the model generates (an encoder such as BERT takes the flag and makes no cache:
     nothing changes for it)."""
+    if isinstance(model, LossOfModel):
+        return _without_cache(model.model, kwargs, tell)
     if "use_cache" in kwargs or getattr(getattr(model, "config", None), "use_cache", None) is not True:
         return kwargs
     if not _takes_keyword(getattr(model.forward, "__func__", model.forward), "use_cache"):
@@ -927,13 +945,14 @@ def _original(model: torch.nn.Module) -> torch.nn.Module:
 def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tuple[str, ...] = DEFAULT_ACTIONS,
          compress_dtypes: tuple[str, ...] | None = None, offload_dir: str | None = None,
          transfer: TransferModel | None = None, solver_time_limit: float | None = None, seed: int = 0,
-         objective: str = "time", loss_reserve: int | str = "auto", outputs: str = "kept", **kwargs) -> Plan:
+         objective: str = "time", loss_reserve: int | str = "auto", outputs: str = "kept",
+         loss_fn: Callable | None = None, **kwargs) -> Plan:
     """Plans ``model`` for the example inputs without running a training step (arguments as :func:`compile`).
 
     Inputs and model may live on the ``meta`` device: planning runs on fake tensors and allocates nothing.
     Keywords that are not options here go to ``model.forward`` as inputs (one close to an option's name is
     refused, or told when ``forward`` takes ``**kwargs``). Under ``torch.no_grad()`` too, the plan is for a
-    training step.
+    training step. With ``loss_fn``, the loss's target is the keyword ``target=``, as the compiled module takes it.
 
     Example:
         >>> import autorecompute, torch
@@ -943,10 +962,22 @@ def plan(model: torch.nn.Module, *args, budget: int | float | str, actions: tupl
         0
     """
     model = _original(model)
-    _check_model_keywords(model, kwargs, plan)
+    _check_model_keywords(model, _model_keywords(kwargs, loss_fn), plan)
+    model = with_loss(model, loss_fn)
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, objective,
                        loss_reserve, outputs)
     return _plan(model, args, kwargs, budget, options)
+
+
+def _model_keywords(kwargs: dict, loss_fn: Callable | None) -> dict:
+    """The keywords that go to the model: all of them, or, with a ``loss_fn``, all but the loss's target, which
+    must be there."""
+    if loss_fn is None:
+        return kwargs
+    if TARGET not in kwargs:
+        raise TypeError(f"with loss_fn=, pass the loss's target as the keyword {TARGET}= (the compiled module takes "
+                        f"it so: loss = compiled(*inputs, {TARGET}=labels))")
+    return {k: v for k, v in kwargs.items() if k != TARGET}
 
 
 def _plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options: PlannerOptions) -> Plan:
@@ -959,7 +990,8 @@ def _plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, options: Pl
 def minimum_peak(model: torch.nn.Module, *args, actions: tuple[str, ...] = DEFAULT_ACTIONS,
                  compress_dtypes: tuple[str, ...] | None = None, offload_dir: str | None = None,
                  transfer: TransferModel | None = None, solver_time_limit: float | None = None, seed: int = 0,
-                 loss_reserve: int | str = "auto", outputs: str = "kept", **kwargs) -> int:
+                 loss_reserve: int | str = "auto", outputs: str = "kept", loss_fn: Callable | None = None,
+                 **kwargs) -> int:
     """The least peak, in bytes, that a plan with ``actions`` reaches for one training step of ``model`` on
     the example inputs: the smallest budget :func:`compile` and :func:`plan` accept for them (arguments as
     :func:`compile`; ``InfeasibleBudgetError.breakdown`` says what it is made of).
@@ -983,7 +1015,8 @@ def minimum_peak(model: torch.nn.Module, *args, actions: tuple[str, ...] = DEFAU
         True
     """
     model = _original(model)
-    _check_model_keywords(model, kwargs, minimum_peak)
+    _check_model_keywords(model, _model_keywords(kwargs, loss_fn), minimum_peak)
+    model = with_loss(model, loss_fn)
     options = _options(actions, compress_dtypes, offload_dir, transfer, solver_time_limit, seed, "time",
                        loss_reserve, outputs)
     try:

@@ -122,13 +122,13 @@ class Stashed:
 @dataclass(frozen=True)
 class Rewrite:
     """Everything the rewrite passes need to carry out a plan (:func:`autorecompute.passes.apply_plan`):
-    an :class:`Op` per recomputable op, how each stashed activation is stashed, and the softmaxes whose
-    backward stays written into their gradient. ``ops`` are as the rewrite carries them out: NEW_REGION only
+    an :class:`Op` per recomputable op, how each stashed activation is stashed, and the ops capture made lean
+    that stay so (:mod:`autorecompute.passes.rewrite_lean_ops`). ``ops`` are as the rewrite carries them out: NEW_REGION only
     where a region begins right after another, REMAKE only where that region does make its inputs again."""
 
     ops: Mapping[str, Op]
     stash: Mapping[str, Stashed] = field(default_factory=dict)
-    softmax_in_place: tuple[str, ...] = ()
+    lean_ops: tuple[str, ...] = ()
 
     @property
     def words(self) -> dict[str, str]:

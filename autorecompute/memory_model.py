@@ -410,7 +410,7 @@ def extra_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | N
 
 
 def rewrite_of(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None,
-               softmax_in_place: tuple[str, ...] = ()) -> Rewrite:
+               lean_ops: tuple[str, ...] = ()) -> Rewrite:
     """What the rewrite passes need to carry out the search's decisions: an :class:`Op` per recomputable op
     as the regions take effect (a cut only where a region begins right after another, a remake only where
     :func:`remakes` allows it), and each stash choice with its prefetch event and recipe."""
@@ -431,4 +431,4 @@ def rewrite_of(problem: Problem, recompute: Mapping[str, bool], stash: Stash | N
         option = problem.stash_option(name, action)
         stashed[name] = Stashed(Action.parse(action), option.restored_from - problem.num_forward, option.recipe,
                                 option.delivers)
-    return Rewrite(ops, stashed, tuple(softmax_in_place))
+    return Rewrite(ops, stashed, tuple(lean_ops))

@@ -22,11 +22,12 @@ from autorecompute.fates import FATES, NOTHING_HELD, fate, plural
 __all__ = ["Plan", "StashRecord", "NodeRecord", "SCHEMA_VERSION", "FATES", "NOTHING_HELD", "fate", "tensor_bytes"]
 from autorecompute.problem import GRADIENT
 
-# 12: ``engine``; 11: ``outputs``; 10: ``loss_reserve``; 9: ``softmax_in_place``; 8: ``extra_seconds``; 7: ``region_remakes``;
+# 13: ``lean_ops`` (``softmax_in_place`` before, softmaxes only); 12: ``engine``; 11: ``outputs``;
+# 10: ``loss_reserve``; 9: ``softmax_in_place``; 8: ``extra_seconds``; 7: ``region_remakes``;
 # 6: ``region_starts``; 5: the ``rematerialize:through`` action; 4: the ``rematerialize:chain`` action,
 # ``delivers`` / ``delivered_by``; 3: adds ``objective``, the ``rematerialize`` action and its ``recipe``;
 # 2: ``stash``
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 _ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
              "float32": 4, "float64": 8, "complex64": 8, "complex128": 16}
 
@@ -119,7 +120,7 @@ _JSON_KINDS = {**{name: int for name in ("budget", "predicted_peak", "baseline_p
                                           "engine")},
                **{name: dict for name in ("decisions", "resident", "nodes", "timeline", "stash")},
                **{name: list for name in ("actions", "edges", "at_peak", "region_starts", "region_remakes",
-                                                "softmax_in_place")}}
+                                                "lean_ops")}}
 _KIND_NAMES = {int: "an int", (int, float): "a number", str: "a string", dict: "an object", list: "a list"}
 
 
@@ -158,8 +159,11 @@ class Plan:
             before them is recomputed too (elsewhere a region is a maximal run of recomputed ops).
         region_remakes: those of ``region_starts`` whose region, when it is recomputed, makes the inputs
             the region before it made again (from that region's inputs) instead of holding them.
-        softmax_in_place: softmaxes whose backward writes into their incoming gradient (one attention-sized
-            tensor less at their backward): those the budget needs; the others run autograd's backward.
+        lean_ops: ops kept in the lean form capture gave them (the same values for less memory, a little more
+            time): softmaxes whose backward writes into their incoming gradient (one attention-sized tensor less
+            at their backward), cross-entropies whose log-softmax lives a chunk of rows at a time (one
+            vocabulary-sized tensor less); those the budget needs, the others in autograd's form
+            (``softmax_in_place``, softmaxes only, in files 9 to 12).
         loss_reserve: bytes held beside the outputs' gradients as backward starts, for a loss the caller
             computes over the outputs (``compile(..., loss_reserve=)``; 0 in files before 10).
         outputs: whether the step keeps the outputs backward does not start from (the logits beside a loss the
@@ -195,7 +199,7 @@ class Plan:
     stash: dict[str, StashRecord] = field(default_factory=dict)
     region_starts: tuple[str, ...] = ()
     region_remakes: tuple[str, ...] = ()
-    softmax_in_place: tuple[str, ...] = ()
+    lean_ops: tuple[str, ...] = ()
     extra_seconds: float = 0.0
     loss_reserve: int = 0
     outputs: str = "kept"
@@ -334,6 +338,8 @@ class Plan:
         if isinstance(version, bool) or version not in range(1, SCHEMA_VERSION + 1):
             raise ValueError(f"plan JSON has schema_version {version!r}; this autorecompute reads "
                              f"1 to {SCHEMA_VERSION}")
+        if version < 13 and "softmax_in_place" in data:
+            data["lean_ops"] = data.pop("softmax_in_place")
         known = {f.name for f in fields(cls)}
         missing = sorted(f.name for f in fields(cls) if f.name not in data and f.default is MISSING
                          and f.default_factory is MISSING)
@@ -358,7 +364,7 @@ class Plan:
         data["at_peak"] = tuple(data.get("at_peak", ()))
         data["region_starts"] = tuple(data.get("region_starts", ()))
         data["region_remakes"] = tuple(data.get("region_remakes", ()))
-        data["softmax_in_place"] = tuple(data.get("softmax_in_place", ()))
+        data["lean_ops"] = tuple(data.get("lean_ops", ()))
         data["stash"] = {k: StashRecord(**{**v, "shape": tuple(v["shape"]), "recipe": tuple(v.get("recipe", ())),
                                            "delivers": tuple(v.get("delivers", ()))})
                          for k, v in data.get("stash", {}).items()}
@@ -373,7 +379,7 @@ class Plan:
                Op.RECOMPUTE if decision == "recompute" else Op.KEEP for op, decision in self.decisions.items()}
         stash = {name: Stashed(Action.parse(record.action), record.prefetch_event, record.recipe, record.delivers)
                  for name, record in self.stash.items() if not record.delivered_by}
-        return Rewrite(ops, stash, tuple(self.softmax_in_place))
+        return Rewrite(ops, stash, tuple(self.lean_ops))
 
     # ---- reading ---------------------------------------------------------------------------------------
     def summary(self) -> str:
@@ -390,6 +396,7 @@ class Plan:
             *self._reserve_lines(),
             *self._fate_lines(),
             *self._gradient_lines(),
+            *self._lean_lines(),
             *self._cost_lines(),
             f"  solver          {self.solver_status} (least extra {self.objective}), {self.solver_time:.2f} s, "
             # a gap of 1: no lower bound above 0 was proven (a plan of the local search or of windows), not a bad plan
@@ -408,6 +415,13 @@ class Plan:
             return lines
         return lines + [f"  loss reserve    {format_bytes(self.loss_reserve)} at the start of backward, for a loss "
                         "computed outside the model over its outputs (loss_reserve=0 when the model returns its loss)"]
+
+    def _lean_lines(self) -> list[str]:
+        if not self.lean_ops:
+            return []
+        shown = ", ".join(self.lean_ops[:4]) + (f" and {len(self.lean_ops) - 4} more" if len(self.lean_ops) > 4 else "")
+        return [f"  lean ops        {shown}: the same values for less memory (a softmax backward written into its "
+                "gradient, a cross-entropy a chunk of rows at a time)"]
 
     def _fate_lines(self) -> list[str]:
         """One line per fate the plan uses (kept always, recomputed when recomputing is allowed)."""

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_map_only
 from autorecompute.budget import format_bytes, parse_budget, resolve_budget
 from autorecompute.decisions import Rewrite
 from autorecompute.errors import InfeasibleBudgetError, user_stacklevel
+from autorecompute.loss import plan_name
 from autorecompute.memory_model import (extra_cost, extra_flops, held_at, memory_components, memory_timeline,
                                          predicted_peak, rewrite_of)
 from autorecompute import plan_cache
@@ -35,7 +36,7 @@ from autorecompute.passes.capture import capture
 from autorecompute.passes.meta import node_info, step_profile
 from autorecompute.passes.profile import profile_step
 from autorecompute.passes.rewrite_calls import rewrite_calls
-from autorecompute.passes.rewrite_softmax import rewrite_softmax, softmax_in_place_nodes
+from autorecompute.passes.rewrite_lean_ops import lean_op_nodes, rewrite_lean_ops
 from autorecompute.passes.verify import fake_step_memory, verify_plan
 from autorecompute.passes.verify_compiled import compiled_step_memory
 from autorecompute.plan import NodeRecord, Plan, StashRecord
@@ -263,20 +264,20 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
         raise InfeasibleBudgetError(budget_bytes, peak, _breakdown(profile, peak), options.actions,
                                     fraction=parsed if isinstance(parsed, float) else None, baseline=base)
     if options.engine == "eager":
-        softmax_in_place, peak = _softmax_in_place(found.module, args, kwargs, budget_bytes, found.peak, reserve, keep)
+        lean, peak = _lean_ops(found.module, args, kwargs, budget_bytes, found.peak, reserve, keep)
     else:
-        softmax_in_place = ()
+        lean = ()
     recompute, stash = found.decisions
-    rewrite = rewrite_of(problem, recompute, stash, softmax_in_place)
+    rewrite = rewrite_of(problem, recompute, stash, lean)
     plan = Plan(
         budget=budget_bytes, predicted_peak=peak, baseline_peak=baseline_peak,
         minimum_peak=search.minimum_peak(peak), model_peak=predicted_peak(problem, recompute, stash),
         decisions=rewrite.words, region_starts=rewrite.region_starts, region_remakes=rewrite.region_remakes,
-        softmax_in_place=rewrite.softmax_in_place, loss_reserve=reserve, outputs=options.outputs,
+        lean_ops=rewrite.lean_ops, loss_reserve=reserve, outputs=options.outputs,
         extra_flops=extra_flops(problem, recompute, stash), baseline_flops=sum(problem.flops.values()),
         solver_status=found.status, solver_time=search.solve_time, solver_gap=found.gap,
         plan_time=time.perf_counter() - started, actions=options.actions, objective=options.objective,
-        resident=dict(profile.resident), nodes=_node_records(gm, problem), model_name=type(model).__name__,
+        resident=dict(profile.resident), nodes=_node_records(gm, problem), model_name=plan_name(model),
         signature=signature, edges=_edges(gm, problem), engine=options.engine,
         timeline=_timeline(problem, recompute, stash, profile.resident_bytes), num_forward=problem.num_forward,
         at_peak=_at_peak(problem, recompute, stash), stash=_stash_records(gm, problem, rewrite),
@@ -289,7 +290,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     if key:
         plan_cache.store(key, plan)
     if options.engine == "torch.compile":
-        # the regions dynamo traces: every softmax on autograd's backward, as measured
+        # the regions dynamo traces: every lean op in autograd's form, as measured
         return Planned(plan=plan, module=apply_plan(gm, rewrite, bind_calls=False))
     # last, on the module that runs: each op called through eager's own binding where that dispatches the same
     # ops (the same kernels and allocations as verified; a microsecond less per call)
@@ -411,8 +412,8 @@ def _under_autocast(entered: list, fn, *args):
 def _verifier(gm: torch.fx.GraphModule, problem: Problem, runtime: StashRuntime | None, args: tuple, kwargs: dict,
               reserve: int, keep_outputs: bool):
     """``verify(plan) -> (module, peak)``: the plan carried out on a copy of ``gm``, its step measured, every
-    softmax capture wrote in place left so (as the profile counts them)."""
-    captured = tuple(softmax_in_place_nodes(gm))
+    op capture made lean left so (as the profile counts them)."""
+    captured = tuple(lean_op_nodes(gm))
 
     def verify(decisions: SearchPlan) -> tuple[torch.nn.Module, int]:
         return verify_plan(gm, rewrite_of(problem, *decisions, captured), runtime, args, kwargs, reserve, keep_outputs)
@@ -445,35 +446,34 @@ def _fraction_base(model: torch.nn.Module, gm: torch.fx.GraphModule, args: tuple
 def _unoptimized_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, profiled: int, reserve: int,
                       keep_outputs: bool) -> int:
     """The step's peak as eager runs it, which fractional budgets are fractions of: the profile's, or, where
-    capture wrote softmax backwards into their gradients (the profile's step), the step measured with
-    autograd's."""
-    names = softmax_in_place_nodes(gm)
+    capture made ops lean (the profile's step), the step measured with autograd's forms."""
+    names = lean_op_nodes(gm)
     if not names:
         return profiled
-    rewrite_softmax(gm, in_place=())
+    rewrite_lean_ops(gm, lean=())
     try:
         return max(profiled, fake_step_memory(gm, args, kwargs, reserve, keep_outputs).peak)
     finally:
-        rewrite_softmax(gm, in_place=names)
+        rewrite_lean_ops(gm, lean=names)
 
 
-def _softmax_in_place(module: torch.nn.Module, args: tuple, kwargs: dict, budget: int,
-                      peak: int, reserve: int, keep_outputs: bool) -> tuple[tuple[str, ...], int]:
-    """(the softmaxes whose backward stays written into their gradient, the step's verified peak).
+def _lean_ops(module: torch.nn.Module, args: tuple, kwargs: dict, budget: int,
+              peak: int, reserve: int, keep_outputs: bool) -> tuple[tuple[str, ...], int]:
+    """(the ops that stay in the lean form capture gave them, the step's verified peak).
 
-    The profile and the plan count every softmax capture made ``softmax_backward_in_place`` at its lower
-    memory; where the step also fits ``budget`` with all of them back on autograd's backward (measured, as
-    every plan is), they go back: autograd's is called from C++, ~35 µs a softmax less on a CPU (2% of a
-    GPT-style step at √N's peak). Else all stay in place."""
+    The profile and the plan count every op capture made lean at its lower memory; where the step also fits
+    ``budget`` with all of them back in autograd's form (measured, as every plan is), they go back: autograd's
+    softmax backward is called from C++, ~35 µs a softmax less on a CPU (2% of a GPT-style step at √N's peak),
+    and its cross-entropy makes the log-softmax once. Else all stay lean."""
     gm = graph_module_of(module)
-    names = softmax_in_place_nodes(gm)
+    names = lean_op_nodes(gm)
     if not names:
         return (), peak
-    rewrite_softmax(gm, in_place=())
+    rewrite_lean_ops(gm, lean=())
     autograds = fake_step_memory(module, args, kwargs, reserve, keep_outputs).peak
     if autograds <= budget:
         return (), autograds
-    rewrite_softmax(gm, in_place=names)
+    rewrite_lean_ops(gm, lean=names)
     return tuple(names), peak
 
 

@@ -12,8 +12,8 @@ default settings (no time limit given: planned by layers).
 * **Plan time** at ``budget=0.5`` (0.75 for the Llama shapes and the 6-layer GPT-2, whose minima are above
   half): the whole call, capture and profile included, and the stages' times.
 * **Quality**: per-layer checkpointing (Hugging Face's ``gradient_checkpointing_enable()``: every layer one
-  region) planned and measured on the same fake step; then our plan with its measured peak as the budget, and
-  its extra FLOPs against per-layer checkpointing's.
+  region), the model's own step measured on fake tensors; then our plan with that peak as the budget, and
+  its extra FLOPs against per-layer checkpointing's (every layer's forward once more).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ os.environ.setdefault("AUTORECOMPUTE_CACHE", "off")   # benchmarks time planning
 import autorecompute  # noqa: E402
 from autorecompute.budget import format_bytes  # noqa: E402
 from autorecompute.errors import InfeasibleBudgetError  # noqa: E402
+from autorecompute.passes.verify import fake_step_memory  # noqa: E402
 from autorecompute.planner import PlannerOptions, make_plan  # noqa: E402
 from autorecompute.search import Strategies, not_solved  # noqa: E402
 from autorecompute.solvers.segment_plans import per_block_plan  # noqa: E402
@@ -80,14 +81,21 @@ PER_LAYER = Strategies(lowest_start=lambda problem: (per_block_plan(problem), {}
 
 
 def per_layer(model, args, kwargs):
-    """(peak, extra FLOPs) of per-layer checkpointing on the planner's fake step."""
+    """(peak, extra FLOPs) of Hugging Face's per-layer checkpointing: the peak of the model's own step after
+    ``gradient_checkpointing_enable()``, measured on fake tensors (autograd's cross-entropy and softmaxes, as
+    it runs them); the extra FLOPs of every layer's forward once more (the per-layer plan's)."""
     options = PlannerOptions(actions=("recompute",), solver_time_limit=1.0, strategies=PER_LAYER)
     try:
         make_plan(model, args, kwargs, 1, options)
     except InfeasibleBudgetError as error:
-        peak = error.minimum
-    plan = make_plan(model, args, kwargs, peak, options).plan
-    return plan.predicted_peak, plan.extra_flops
+        flops = make_plan(model, args, kwargs, error.minimum, options).plan.extra_flops
+    name = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"   # transformers 5, 4
+    getattr(model, f"{name}_checkpointing_enable")(**{f"{name}_checkpointing_kwargs": {"use_reentrant": False}})
+    try:
+        peak = fake_step_memory(model, args, kwargs).peak
+    finally:
+        getattr(model, f"{name}_checkpointing_disable")()
+    return peak, flops
 
 
 def budget_of(kind: str, layers: int) -> float:

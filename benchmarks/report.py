@@ -484,7 +484,7 @@ def write_markdown(rows, summaries, seconds: float, quick: bool, path: Path) -> 
              "29's first two runs measured its recompute-only plan at 1.011× and 1.016×: the softmax backward "
              "written in place (2b) is a Python `autograd.Function`, ~35 µs a softmax on this CPU, six a step, "
              "~2% of the step; plans now put autograd's backward back wherever the budget allows "
-             "(`Plan.softmax_in_place`; checked apart, the recompute-only plans at √N's articulation-point peak keep "
+             "(`Plan.lean_ops`; checked apart, the recompute-only plans at √N's articulation-point peak keep "
              "none in place on GPT and Llama, while Llama's default-actions plan there keeps its four). The same "
              "plan (12.1% extra FLOPs, "
              "one region over ~2.7 of the 6 blocks that redraws the same 9 dropouts √N's three checkpointed blocks "

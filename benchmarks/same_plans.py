@@ -34,7 +34,7 @@ def fingerprint(plan) -> dict:
     """What a plan decides and predicts (not its timings)."""
     return {"decisions": dict(plan.decisions), "stash": {n: r.action for n, r in plan.stash.items()},
             "region_starts": list(plan.region_starts), "region_remakes": list(plan.region_remakes),
-            "softmax_in_place": list(plan.softmax_in_place), "predicted_peak": plan.predicted_peak,
+            "lean_ops": list(plan.lean_ops), "predicted_peak": plan.predicted_peak,
             "model_peak": plan.model_peak, "minimum_peak": plan.minimum_peak, "extra_flops": plan.extra_flops,
             "status": plan.solver_status}
 

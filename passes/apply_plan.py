@@ -3,7 +3,7 @@
 The rewrite passes in the planner's order, on a copy: :func:`rewrite_recompute` (the recomputed ops in
 checkpointed regions, cut and remade where the plan says), :func:`rewrite_stash` (offload, compress,
 rematerialize), the result wrapped in a :class:`StashedModule` when anything is stashed, then
-:func:`rewrite_softmax` (the softmaxes the plan keeps in place) and, unless ``bind_calls=False``,
+:func:`rewrite_lean_ops` (the lean ops the plan keeps) and, unless ``bind_calls=False``,
 :func:`rewrite_calls`. Decides nothing: a plan saved as JSON (``Plan.from_json(text).rewrite``) applies to a
 freshly captured and profiled model without solving, and gives the module planning gave.
 
@@ -29,7 +29,7 @@ from autorecompute.decisions import Rewrite
 from autorecompute.passes.profile import step_profile
 from autorecompute.passes.rewrite_calls import rewrite_calls
 from autorecompute.passes.rewrite_recompute import rewrite_recompute
-from autorecompute.passes.rewrite_softmax import rewrite_softmax
+from autorecompute.passes.rewrite_lean_ops import rewrite_lean_ops
 from autorecompute.passes.rewrite_stash import rewrite_stash
 from autorecompute.problem import GRADIENT
 from autorecompute.runtime.stash import StashedModule, StashRuntime
@@ -79,9 +79,9 @@ def apply_plan(gm: torch.fx.GraphModule, rewrite: Rewrite, runtime: StashRuntime
     module = rewrite_recompute(clone_graph_module(gm), rewrite.words, rewrite.region_starts, rewrite.region_remakes)
     if rewrite.stash:
         module = StashedModule(rewrite_stash(module, rewrite.stash, runtime if runtime is not None else StashRuntime()))
-    # after the stash rewrite, as in the planner: a single-op rematerialization of a softmax keeps the op the
+    # after the stash rewrite, as in the planner: a single-op rematerialization of a lean op keeps the op the
     # stash rewrite finds (capture's, the one the profile measured) as an argument of its node
-    rewrite_softmax(graph_module_of(module), in_place=rewrite.softmax_in_place)
+    rewrite_lean_ops(graph_module_of(module), lean=rewrite.lean_ops)
     if bind_calls:
         rewrite_calls(graph_module_of(module))
     return module
@@ -96,7 +96,7 @@ def _check_applies(gm: torch.fx.GraphModule, rewrite: Rewrite) -> None:
     tensors = [tensor for name, stashed in rewrite.stash.items() for tensor in (name, *stashed.delivers)
                if not tensor.startswith(GRADIENT)]
     missing += [name for name in tensors if name not in profile.tensors]
-    missing += [name for name in rewrite.softmax_in_place if name not in ops]
+    missing += [name for name in rewrite.lean_ops if name not in ops]
     if missing:
         shown = ", ".join(map(repr, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"the plan names {shown}, which the captured graph does not have: it is the plan of "

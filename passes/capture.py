@@ -14,8 +14,10 @@ in a warning. Clean-ups, each a module of its own, then make the graph plannable
 3. :mod:`~autorecompute.passes.functionalize_mutations`: in-place ops on an activation nothing else reads
    become out-of-place, so that recomputing a region never replays a mutation of its own input (after step 2:
    the inlined composite fills its dropout mask in place);
-4. :mod:`~autorecompute.passes.softmax_in_place`: a softmax whose gradient is its own writes its backward into
-   that gradient;
+4. lean ops, the same values for less memory (:mod:`~autorecompute.passes.rewrite_lean_ops` switches them
+   back where a plan fits without): :mod:`~autorecompute.passes.softmax_in_place`, a softmax whose gradient is
+   its own writes its backward into that gradient; :mod:`~autorecompute.passes.cross_entropy_in_chunks`, a
+   cross-entropy over class indices makes its log-softmax a chunk of rows at a time;
 5. :mod:`~autorecompute.passes.widen_at_readers`: a cheap op widening a tensor no gradient flows through (a
    boolean attention mask made float) runs again next to each later reader, so the narrow tensor is what is
    kept between them.
@@ -45,6 +47,7 @@ from autorecompute.passes.gpu_attention import size_attention_as_a_gpu_runs_it
 from autorecompute.passes.inline_attention import inline_math_attention
 from autorecompute.passes.side_effects import refuse_or_warn, side_effects_recorded
 from autorecompute.passes.softmax_in_place import write_softmax_backward_in_place
+from autorecompute.passes.cross_entropy_in_chunks import chunk_cross_entropies
 from autorecompute.passes.widen_at_readers import widen_at_each_reader
 
 # callers_autocast: imported from here by autorecompute/api.py and autorecompute/planner.py
@@ -91,6 +94,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     size_attention_as_a_gpu_runs_it(gm)
     functionalize_activation_mutations(gm)
     write_softmax_backward_in_place(gm)
+    chunk_cross_entropies(gm)
     widen_at_each_reader(gm)
     gm.graph.lint()
     gm.recompile()

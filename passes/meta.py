@@ -8,7 +8,7 @@ key                    where            value                                   
 =====================  ===============  ==========================================  ============================
 ``PROFILE``            ``node.meta``    :class:`~.profile_records.NodeInfo`         ``profile.profile_step``
 ``PROFILE``            ``gm.meta``      :class:`~.profile_records.StepProfile`      ``profile.profile_step``
-``SOFTMAX_IN_PLACE``   ``node.meta``    the softmax's ``safe`` flag (bool)          ``capture.capture``
+``LEAN_OP``            ``node.meta``    :class:`LeanOp`: its two forms               ``capture.capture``
 ``REGION_MEMBERS``     ``node.meta``    names of the ops a region call runs         ``rewrite_recompute``
 ``SOURCE``             ``node.meta``    the op whose value a region output carries  ``rewrite_recompute``
 =====================  ===============  ==========================================  ============================
@@ -18,7 +18,8 @@ GraphModule; it is here so that the names a pass attaches to a graph are in one 
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -26,7 +27,7 @@ import torch.fx
 from autorecompute.passes.profile_records import NodeInfo, StepProfile
 
 PROFILE = "autorecompute"
-SOFTMAX_IN_PLACE = "autorecompute_softmax_in_place"
+LEAN_OP = "autorecompute_lean_op"
 REGION_MEMBERS = "autorecompute_region"
 SOURCE = "autorecompute_source"
 STASH_RUNTIME = "stash_runtime"
@@ -69,22 +70,38 @@ def step_profile(gm: torch.fx.GraphModule) -> StepProfile:
     return info
 
 
-# -- SOFTMAX_IN_PLACE: the softmaxes capture gives a backward written into their gradient -------------------
+# -- LEAN_OP: the ops capture makes lean (same values, less memory), with autograd's form to switch back to -----
 
-def mark_softmax_in_place(node: torch.fx.Node, safe: bool) -> None:
-    node.meta[SOFTMAX_IN_PLACE] = safe
+@dataclass(frozen=True)
+class LeanOp:
+    """The two forms of an op capture made lean: the node's first ``inputs`` arguments, then the lean form's
+    constants (``lean(*inputs, *lean_constants)``) or autograd's (``autograd(*inputs, *autograd_constants)``).
+    Constants only (no nodes), so the mark survives copies of the graph."""
+    kind: str                        # what it is, in a plan's words ("softmax in place", "cross-entropy in chunks")
+    inputs: int
+    lean: Callable
+    lean_constants: tuple
+    autograd: Callable
+    autograd_constants: tuple
 
 
-def has_softmax_in_place_mark(node: torch.fx.Node) -> bool:
-    return SOFTMAX_IN_PLACE in node.meta
+def mark_lean_op(node: torch.fx.Node, lean_op: LeanOp) -> None:
+    node.meta[LEAN_OP] = lean_op
 
 
-def softmax_in_place_safe(node: torch.fx.Node) -> bool:
-    """The ``safe`` flag of a softmax capture wrote in place; fails with the pass to run when it is missing."""
-    if SOFTMAX_IN_PLACE not in node.meta:
-        raise RuntimeError(f"node {node.name!r} is no softmax that capture writes in place: run {_CAPTURE_PASS} "
-                           "first (only a softmax whose gradient is its own is marked)")
-    return node.meta[SOFTMAX_IN_PLACE]
+def is_lean_op(node: torch.fx.Node) -> bool:
+    """Whether capture made ``node`` lean (whichever form it has now). The mark alone is not enough: a region's
+    outputs and inputs copy their op's meta."""
+    forms = node.meta.get(LEAN_OP)
+    return node.op == "call_function" and isinstance(forms, LeanOp) and node.target in (forms.lean, forms.autograd)
+
+
+def lean_op(node: torch.fx.Node) -> LeanOp:
+    """The two forms of an op capture made lean; fails with the pass to run when it is missing."""
+    if not is_lean_op(node):
+        raise RuntimeError(f"node {node.name!r} is no op that capture makes lean: run {_CAPTURE_PASS} first "
+                           "(softmaxes whose gradient is their own and cross-entropies over class indices are)")
+    return node.meta[LEAN_OP]
 
 
 # -- REGION_MEMBERS, SOURCE: what the recompute rewrite's region calls and outputs stand for -----------------

@@ -2,14 +2,14 @@
 
 :func:`~autorecompute.runtime.softmax.softmax_backward_in_place` holds two attention-sized tensors in its
 backward where autograd's holds three; the values are the same (same kernel). The profile counts that memory;
-a plan that fits without it puts autograd's backward back (:mod:`~autorecompute.passes.rewrite_softmax`).
+a plan that fits without it puts autograd's backward back (:mod:`~autorecompute.passes.rewrite_lean_ops`).
 """
 from __future__ import annotations
 
 import torch
 import torch.fx
 
-from autorecompute.passes.meta import mark_softmax_in_place
+from autorecompute.passes.meta import LeanOp, mark_lean_op
 from autorecompute.runtime.softmax import AUTOGRAD_SOFTMAX, softmax_backward_in_place
 
 _SOFTMAXES = {op: safe for safe, op in AUTOGRAD_SOFTMAX.items()}    # → the ``safe`` flag
@@ -27,8 +27,8 @@ _HANDS_GRADIENT_ON = {_aten.to.dtype, _aten._to_copy.default, _aten.dropout.defa
 
 def write_softmax_backward_in_place(gm: torch.fx.GraphModule) -> None:
     """Each softmax over the last dimension, in its input's dtype, whose result's gradient is its own becomes
-    ``softmax_backward_in_place`` and is marked with its ``safe`` flag (:func:`~.meta.mark_softmax_in_place`),
-    which ``rewrite_softmax`` reads to put autograd's softmax back. In place."""
+    ``softmax_backward_in_place``, marked with both forms (:class:`~.meta.LeanOp`), which ``rewrite_lean_ops``
+    reads to put autograd's softmax back. In place."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _SOFTMAXES or node.kwargs:
             continue
@@ -42,7 +42,8 @@ def write_softmax_backward_in_place(gm: torch.fx.GraphModule) -> None:
         if _owns_its_gradient(node):
             dtype = node.args[2] if len(node.args) > 2 else None
             safe = _SOFTMAXES[node.target]
-            mark_softmax_in_place(node, safe)
+            mark_lean_op(node, LeanOp("softmax in place", 1, softmax_backward_in_place, (dim, dtype, safe),
+                                      node.target, (dim, dtype)))
             node.args = (x, dim, dtype, safe)
             node.target = softmax_backward_in_place
 

@@ -116,15 +116,15 @@ def test_candidates_keep_their_overloads_and_the_captured_softmaxes():
     """``verify_plan`` measures a plan as the planner's candidates are: calls not bound, and the softmaxes
     as capture left them (every one in place) when the rewrite names them all; ``apply_plan`` binds the
     calls, and puts a softmax the rewrite does not name back on autograd's backward."""
-    from autorecompute.passes.rewrite_softmax import softmax_in_place_nodes
+    from autorecompute.passes.rewrite_lean_ops import lean_op_nodes
 
     torch.manual_seed(0)
     model, x = Attention(), torch.randn(4, 16, 32)
     gm = capture(model, (x,), {})
     profile_step(gm, (x,), {})
-    in_place = tuple(softmax_in_place_nodes(gm))
+    in_place = tuple(lean_op_nodes(gm))
     assert in_place == ("softmax",)
-    rewrite = Rewrite({"tanh": Op.RECOMPUTE}, softmax_in_place=in_place)
+    rewrite = Rewrite({"tanh": Op.RECOMPUTE}, lean_ops=in_place)
     module, peak = verify_plan(gm, rewrite, None, (x,), {})
     assert "torch.ops.aten.linear" in module.code and "recompute_region_0" in module.code
     targets = {n.name: n.target for n in gm.graph.nodes}

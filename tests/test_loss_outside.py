@@ -143,11 +143,13 @@ def _allocated_step(step_module, case, loss_fn, readings):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt", "resnet", "mlp"])
+@pytest.mark.parametrize("name", MODELS)
 def test_at_the_modules_own_minimum_every_step_fits_or_the_refusal_names_a_budget_that_does(name):
     """At the least budget of the module alone the step with its loss fits, or is refused with a ``.minimum``
-    that counts the loss; every step at the budget taken is within it."""
+    that counts the loss; every step at the budget taken is within it, with eager's loss and gradients."""
     case = models.make(name)
+    _, eager_loss, eager_grads = _measured_step(case.model, case, cross_entropy)
+    case.model.zero_grad(set_to_none=True)
     module_minimum = autorecompute.minimum_peak(case.model, *case.args, **case.kwargs, loss_reserve=0,
                                                 solver_time_limit=SOLVER_TIME)
     try:
@@ -159,7 +161,9 @@ def test_at_the_modules_own_minimum_every_step_fits_or_the_refusal_names_a_budge
         assert budget > module_minimum
     compiled = autorecompute.compile(case.model, budget=budget, solver_time_limit=SOLVER_TIME)
     for _ in range(2):
-        assert _measured_step(compiled, case, cross_entropy)[0] <= budget
+        peak, loss, grads = _measured_step(compiled, case, cross_entropy)
+        assert peak <= budget
+        assert torch.equal(loss, eager_loss) and all(torch.equal(grads[n], eager_grads[n]) for n in eager_grads)
 
 
 def test_no_reserve_when_the_model_returns_its_loss():
@@ -185,3 +189,58 @@ def test_no_reserve_when_the_model_returns_its_loss():
                                                      solver_time_limit=SOLVER_TIME).baseline_peak <= 12345
     with pytest.raises(ValueError, match="loss_reserve=-1 must be 'auto'"):
         autorecompute.plan(model, x, budget=1.0, loss_reserve=-1)
+
+
+def _targets(case) -> torch.Tensor:
+    logits = _logits(case.model(*case.args, **case.kwargs))
+    rows = logits.flatten(0, -2).shape[0] if logits.dim() > 2 else logits.shape[0]
+    return torch.arange(rows) % logits.shape[-1]
+
+
+def cross_entropy_of(outputs, target) -> torch.Tensor:
+    """:func:`cross_entropy` as a ``loss_fn``: the target passed in."""
+    logits = _logits(outputs)
+    return F.cross_entropy((logits.flatten(0, -2) if logits.dim() > 2 else logits).float(), target)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_a_loss_captured_with_loss_fn_fits_budgets_a_loss_outside_cannot(name):
+    """``loss_fn=`` plans the loss with the model: its tensors counted, not reserved, and its cross-entropy
+    lean, so the recompute-only minimum is below the one with the loss outside; at that minimum the step is
+    measured within budget, the loss and the gradients bit for bit those of eager's step with the loss outside."""
+    case = models.make(name)
+    target = _targets(case)
+    _, eager_loss, eager_grads = _measured_step(case.model, case, cross_entropy)
+    case.model.zero_grad(set_to_none=True)
+    recompute = {"actions": ("recompute",), "solver_time_limit": SOLVER_TIME}
+    outside = autorecompute.minimum_peak(case.model, *case.args, **case.kwargs, **recompute)
+    inside = autorecompute.minimum_peak(case.model, *case.args, **case.kwargs, target=target,
+                                        loss_fn=cross_entropy_of, **recompute)
+    assert inside < outside
+    compiled = autorecompute.compile(case.model, budget=inside, loss_fn=cross_entropy_of, **recompute)
+    peak, loss, grads = _measured_step(lambda *a, **k: compiled(*a, **k, target=target), case, lambda loss: loss)
+    assert peak <= inside
+    assert torch.equal(loss, eager_loss) and grads.keys() == eager_grads.keys()
+    assert all(torch.equal(grads[n], eager_grads[n]) for n in grads)
+    assert compiled.plan.loss_reserve == 0 and compiled.plan.model_name.endswith("with its loss")
+    assert compiled.plan.signature.endswith("target=int64[256]@cpu)") or "target=" in compiled.plan.signature
+
+
+def test_loss_fn_is_checked_at_once_and_its_target_asked_for():
+    model, x = torch.nn.Linear(8, 3), torch.randn(4, 8)
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        autorecompute.compile(model, budget=0.5, loss_fn="cross_entropy")
+
+    class TakesTarget(torch.nn.Module):
+        def forward(self, x, target):
+            return x
+
+    with pytest.raises(ValueError, match="takes a 'target' argument of its own"):
+        autorecompute.compile(TakesTarget(), budget=0.5, loss_fn=F.mse_loss)
+    compiled = autorecompute.compile(model, budget=1.0, loss_fn=torch.nn.CrossEntropyLoss())
+    with pytest.raises(TypeError, match=r"loss = compiled\(\*inputs, target=labels\)"):
+        compiled(x)
+    with pytest.raises(TypeError, match="pass the loss's target as the keyword target="):
+        autorecompute.plan(model, x, budget=1.0, loss_fn=F.cross_entropy)
+    y = torch.tensor([0, 2, 1, 0])
+    assert torch.equal(compiled(x, target=y), F.cross_entropy(model(x), y))

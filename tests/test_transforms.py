@@ -9,7 +9,7 @@ import torch.fx
 from autorecompute.passes.drop_guards import drop_guards_and_asserts
 from autorecompute.passes.functionalize_mutations import functionalize_activation_mutations
 from autorecompute.passes.inline_attention import inline_math_attention
-from autorecompute.passes.meta import has_softmax_in_place_mark, softmax_in_place_safe
+from autorecompute.passes.meta import is_lean_op, lean_op
 from autorecompute.passes.softmax_in_place import write_softmax_backward_in_place
 from autorecompute.passes.widen_at_readers import widen_at_each_reader
 from autorecompute.runtime.softmax import softmax_backward_in_place
@@ -166,7 +166,8 @@ def test_a_softmax_whose_gradient_is_its_own_writes_its_backward_into_it():
                            "softmax_int = call_function softmax_backward_in_place(x, -1, None, False)",
                            "bmm_default = call_function aten.bmm.default(softmax_int, w)",
                            "output = output output(bmm_default)"]
-    assert softmax_in_place_safe(softmax) is False
+    assert lean_op(softmax).lean_constants == (-1, None, False)          # the ``safe`` flag last
+    assert lean_op(softmax).autograd is aten.softmax.int
 
 
 def test_a_softmax_whose_gradient_others_read_stays_autograds():
@@ -174,7 +175,7 @@ def test_a_softmax_whose_gradient_others_read_stays_autograds():
     before = listing(gm)
     write_softmax_backward_in_place(gm)
     assert listing(gm) == before
-    assert not any(has_softmax_in_place_mark(n) for n in gm.graph.nodes)
+    assert not any(is_lean_op(n) for n in gm.graph.nodes)
 
 
 def test_a_widening_op_runs_again_before_each_later_reader():

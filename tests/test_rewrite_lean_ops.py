@@ -1,4 +1,4 @@
-"""The softmax rewrite: capture's in-place softmax backward switched back to autograd's, and again, in a graph
+"""The lean-ops rewrite: capture's in-place softmax backward switched back to autograd's, and again, in a graph
 whose softmax runs inside a recomputed region (its region's outputs carry the op's marks too)."""
 import torch
 
@@ -7,7 +7,7 @@ from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import profile_step
 from autorecompute.passes.rewrite_recompute import rewrite_recompute
-from autorecompute.passes.rewrite_softmax import rewrite_softmax, softmax_in_place_nodes
+from autorecompute.passes.rewrite_lean_ops import lean_op_nodes, rewrite_lean_ops
 from autorecompute.memory_model import rewrite_of
 from autorecompute.passes.apply_plan import clone_graph_module
 from autorecompute.runtime.softmax import softmax_backward_in_place
@@ -41,17 +41,17 @@ def test_softmaxes_in_a_recomputed_region_switch_between_backwards_with_eager_gr
     recompute[after] = NEW_REGION
     module = rewrite_recompute(clone_graph_module(gm), rewrite_of(problem, recompute).words,
                                rewrite_of(problem, recompute).region_starts)
-    assert softmax_in_place_nodes(module) == ["softmax"]
+    assert lean_op_nodes(module) == ["softmax"]
     assert softmax_targets(module) == [softmax_backward_in_place]       # in the region's body
     eager = measured_step(model, model, args, {})
     in_place = measured_step(module, model, args, {})
 
-    rewrite_softmax(module, in_place=())
+    rewrite_lean_ops(module, lean=())
     assert softmax_targets(module) == [torch.ops.aten.softmax.int]
-    assert softmax_in_place_nodes(module) == ["softmax"]                   # still known, to switch back
+    assert lean_op_nodes(module) == ["softmax"]                   # still known, to switch back
     autograds = measured_step(module, model, args, {})
 
-    rewrite_softmax(module, in_place=["softmax"])
+    rewrite_lean_ops(module, lean=["softmax"])
     assert softmax_targets(module) == [softmax_backward_in_place]
     again = measured_step(module, model, args, {})
     for result in (in_place, autograds, again):
@@ -80,7 +80,7 @@ def test_a_planned_graph_pickled_or_traced_again_keeps_its_softmax_in_place():
     model, args = Scores(), (torch.randn(2, 256, 8),)
     compiled = autorecompute.compile(model, budget=0.8, solver_time_limit=2)
     planned = measured_step(compiled, model, args, {})
-    assert compiled.plan.softmax_in_place == ("softmax",)
+    assert compiled.plan.lean_ops == ("softmax",)
     for rebuilt in (pickle.loads(pickle.dumps(compiled.graph_module)), torch.fx.symbolic_trace(compiled.graph_module)):
         assert softmax_targets(rebuilt) == [softmax_backward_in_place]
         again = measured_step(rebuilt, model, args, {})      # (a pickled copy has parameters of its own)

@@ -1,0 +1,83 @@
+"""A cross-entropy that never holds its log-softmax: computed and differentiated a chunk of rows at a time.
+
+Autograd's ``cross_entropy`` over logits of a vocabulary's width keeps their log-softmax for backward, and its
+backward holds three tensors of that size at once: the log-softmax, the gradient ``nll_loss`` makes for it (zeros
+but at the targets) and the logits' gradient. At a 50k vocabulary that is often the step's peak. This one keeps
+the logits instead (which the step holds anyway, or which it would free as the log-softmax is made), and makes
+the log-softmax again in backward, a chunk of rows at a time, straight into the logits' gradient: one
+vocabulary-sized tensor less at backward, and the log-softmax's gone from the forward's end.
+
+The values are autograd's bit for bit: each row's log-softmax and its backward are the same kernels on the same
+row, and the loss is ``nll_loss`` over the same picked log-probabilities in the same order. The price is one
+log-softmax more, a memory-bound pass over the logits (no FLOPs as ``FlopCounterMode`` counts them).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+_aten = torch.ops.aten
+REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}   # ``aten.cross_entropy_loss``'s reduction codes
+
+
+class _CrossEntropyInChunks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int,
+                chunks: int) -> torch.Tensor:
+        rows = _rows_per_chunk(logits.shape[0], chunks)
+        picked = logits.new_empty((logits.shape[0], 1))
+        for start in range(0, logits.shape[0], rows):
+            part = slice(start, start + rows)
+            classes = torch.where(target[part] == ignore_index, 0, target[part]).unsqueeze(1)
+            torch.gather(_aten._log_softmax(logits[part], 1, False), 1, classes, out=picked[part])
+        # nll_loss over the picked column: the same values summed in the same order as over the whole rows
+        loss, total_weight = _aten.nll_loss_forward(picked, torch.where(target == ignore_index, ignore_index, 0),
+                                                    None, reduction, ignore_index)
+        ctx.save_for_backward(logits, target, total_weight)
+        ctx.reduction, ctx.ignore_index, ctx.rows = reduction, ignore_index, rows
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, target, total_weight = ctx.saved_tensors
+        result = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.rows):
+            part = slice(start, start + ctx.rows)
+            log_softmax = _aten._log_softmax(logits[part], 1, False)
+            incoming = grad[part] if ctx.reduction == REDUCTIONS["none"] else grad
+            # nll_loss's gradient made in the result's rows, then the log-softmax's backward over it there: each
+            # element reads its own gradient and output after its row's sum, as the kernel reads them
+            rows = result[part]
+            _aten.nll_loss_backward.grad_input(incoming, log_softmax, target[part], None, ctx.reduction,
+                                               ctx.ignore_index, total_weight, grad_input=rows)
+            _aten._log_softmax_backward_data.out(rows, log_softmax, 1, logits.dtype, out=rows)
+            del log_softmax     # before the next chunk's is made
+        return result, None, None, None, None
+
+
+def _rows_per_chunk(rows: int, chunks: int) -> int:
+    return max(1, -(-rows // max(1, chunks)))
+
+
+def cross_entropy_in_chunks(logits: torch.Tensor, target: torch.Tensor, reduction: int = REDUCTIONS["mean"],
+                            ignore_index: int = -100, chunks: int = 8) -> torch.Tensor:
+    """``torch.nn.functional.cross_entropy(logits, target, reduction=..., ignore_index=...)`` for 2-D ``logits``
+    and class-index ``target``, whose log-softmax lives a chunk of ``chunks`` at a time (see the module
+    docstring); ``reduction`` as ``aten.cross_entropy_loss`` codes it (:data:`REDUCTIONS`).
+
+    Example:
+        >>> logits = torch.randn(64, 1000, requires_grad=True)
+        >>> target = torch.randint(0, 1000, (64,))
+        >>> loss = cross_entropy_in_chunks(logits, target)
+        >>> expected = torch.nn.functional.cross_entropy(logits, target)
+        >>> torch.equal(loss, expected)
+        True
+        >>> torch.equal(torch.autograd.grad(loss, logits)[0], torch.autograd.grad(expected, logits)[0])
+        True
+    """
+    if isinstance(logits, torch.fx.Proxy):
+        # traced again (a GraphModule pickled or symbolic_trace'd is rebuilt by tracing its code): one node, as
+        # planned — traced into, it would record its chunks' ops and not their memory
+        return logits.tracer.create_proxy("call_function", cross_entropy_in_chunks,
+                                          (logits, target, reduction, ignore_index, chunks), {})
+    return _CrossEntropyInChunks.apply(logits, target, reduction, ignore_index, chunks)

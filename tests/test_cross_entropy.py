@@ -1,0 +1,108 @@
+"""The lean cross-entropy: autograd's values bit for bit, a chunk of rows at a time; capture makes a model's
+cross-entropy lean, plans keep it so where the budget needs it (and only there), measured."""
+import json
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autorecompute
+from autorecompute.passes.capture import capture
+from autorecompute.passes.cross_entropy_in_chunks import chunks_for
+from autorecompute.passes.meta import is_lean_op
+from autorecompute.plan import Plan
+from autorecompute.runtime.cross_entropy import REDUCTIONS, cross_entropy_in_chunks
+from harness import assert_bitwise_equal, measured_step
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("chunks", [1, 3, 8, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_loss_and_the_logits_gradient_are_autograds_bit_for_bit(reduction, chunks, dtype):
+    torch.manual_seed(0)
+    logits = torch.randn(37, 517, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, 517, (37,))
+    target[::5] = -100                                          # ignored rows: no loss, no gradient
+    expected = F.cross_entropy(logits, target, reduction=reduction)
+    loss = cross_entropy_in_chunks(logits, target, REDUCTIONS[reduction], -100, chunks)
+    upstream = torch.randn_like(expected)
+    assert torch.equal(loss, expected)
+    assert torch.equal(torch.autograd.grad(loss, logits, upstream)[0],
+                       torch.autograd.grad(expected, logits, upstream)[0])
+
+
+class Head(torch.nn.Module):
+    """A language-model head over a wide vocabulary, its loss inside: the logits and the cross-entropy's
+    vocabulary-sized tensors are most of the step."""
+
+    def __init__(self, vocabulary: int = 4096, width: int = 32, **loss_options):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocabulary, width)
+        self.mix = torch.nn.Linear(width, width)
+        self.out = torch.nn.Linear(width, vocabulary)
+        self.loss_options = loss_options
+
+    def forward(self, ids, labels):
+        logits = self.out(torch.tanh(self.mix(self.embed(ids))))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), **self.loss_options)
+
+
+def _batch(vocabulary: int = 4096):
+    torch.manual_seed(0)
+    ids = torch.randint(0, vocabulary, (4, 64))
+    return ids, torch.roll(ids, -1, 1)
+
+
+def _listing(gm: torch.fx.GraphModule) -> list[str]:
+    return [f"{n.name} = {getattr(n.target, '__name__', n.target)}{tuple(a.name if isinstance(a, torch.fx.Node) else a for a in n.args)}"
+            for n in gm.graph.nodes if n.op == "call_function" and n.name.startswith(("view", "cross_entropy"))]
+
+
+def test_capture_makes_an_unweighted_cross_entropy_over_class_indices_lean():
+    model, (ids, labels) = Head(), _batch()
+    gm = capture(model, (ids, labels), {})
+    chunks = chunks_for(torch.empty(256, 4096))
+    assert _listing(gm) == ["view = view.default('linear_1', [-1, 4096])", "view_1 = view.default('labels', [-1])",
+                            f"cross_entropy_loss = cross_entropy_in_chunks('view', 'view_1', 1, -100, {chunks})"]
+    assert chunks == 8                                            # at least eight chunks, each ≤ 32 MiB
+    assert chunks_for(torch.empty(8 * 1024, 50257)) == 50          # GPT-2's logits: 50 chunks of ≤ 32 MiB
+
+
+@pytest.mark.parametrize("options", [{"weight": torch.ones(4096)}, {"label_smoothing": 0.1}],
+                         ids=["class weights", "label smoothing"])
+def test_a_cross_entropy_the_chunks_do_not_compute_stays_autograds(options):
+    gm = capture(Head(**options), _batch(), {})
+    loss = next(n for n in gm.graph.nodes if n.name == "cross_entropy_loss")
+    assert loss.target is torch.ops.aten.cross_entropy_loss.default and not is_lean_op(loss)
+
+
+def test_a_plan_keeps_the_cross_entropy_lean_only_where_its_budget_needs_it():
+    """At the model's minimum the lean cross-entropy is what fits: below eager's peak by a logits tensor less
+    a chunk's log-softmax; at eager's own peak autograd's is back. Each plan measured within budget, bitwise
+    eager's."""
+    model, args = Head(), _batch()
+    logits_bytes = 4 * 64 * 4096 * 4
+    eager = measured_step(model, model, args, {})
+    model.zero_grad(set_to_none=True)                              # the step measured starts without gradients
+    minimum = autorecompute.minimum_peak(model, *args, actions=("recompute",), solver_time_limit=2)
+    assert minimum <= eager.peak - logits_bytes * 7 // 8
+    for budget, lean in ((1.0, ()), (minimum, ("cross_entropy_loss",))):
+        compiled = autorecompute.compile(model, budget=budget, actions=("recompute",), solver_time_limit=2)
+        ours = measured_step(compiled, model, args, {})
+        assert compiled.plan.lean_ops == lean
+        assert compiled.plan.baseline_peak == eager.peak           # fractions are of eager's step
+        assert ours.peak <= compiled.plan.budget and ours.peak == compiled.plan.predicted_peak
+        assert_bitwise_equal(eager, ours)
+    assert "cross_entropy_loss: the same values for less memory" in compiled.plan.summary()
+    # a GraphModule rebuilt from its code (pickle) keeps the lean loss one node, with the memory planned
+    rebuilt = pickle.loads(pickle.dumps(compiled.graph_module))
+    assert any(n.target is cross_entropy_in_chunks for n in rebuilt.graph.nodes)
+
+
+def test_plan_files_carry_the_lean_ops_and_older_files_their_softmaxes():
+    plan = autorecompute.plan(Head(), *_batch(), budget=0.8, actions=("recompute",), solver_time_limit=2)
+    assert Plan.from_json(plan.to_json()).lean_ops == plan.lean_ops == ("cross_entropy_loss",)
+    older = json.loads(plan.to_json())
+    older["schema_version"], older["softmax_in_place"] = 12, older.pop("lean_ops")
+    assert Plan.from_json(json.dumps(older)).lean_ops == ("cross_entropy_loss",)
