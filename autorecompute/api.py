@@ -808,6 +808,12 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
         >>> opt(torch.randn(4096, 256)).sum().backward()
         >>> opt.plan.predicted_peak <= opt.plan.budget
         True
+        >>> classify = autorecompute.compile(torch.nn.Linear(256, 10), budget=1.0, solver_time_limit=1.0,
+        ...                                  loss_fn=torch.nn.CrossEntropyLoss())
+        >>> loss = classify(torch.randn(64, 256), target=torch.randint(0, 10, (64,)))
+        >>> loss.backward()
+        >>> classify.plan.model_name
+        'Linear with its loss'
 
     Raises:
         ValueError: for a malformed budget, an unknown action or compress dtype (at once).

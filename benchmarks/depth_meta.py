@@ -12,8 +12,9 @@ default settings (no time limit given: planned by layers).
 * **Plan time** at ``budget=0.5`` (0.75 for the Llama shapes and the 6-layer GPT-2, whose minima are above
   half): the whole call, capture and profile included, and the stages' times.
 * **Quality**: per-layer checkpointing (Hugging Face's ``gradient_checkpointing_enable()``: every layer one
-  region), the model's own step measured on fake tensors; then our plan with that peak as the budget, and
-  its extra FLOPs against per-layer checkpointing's (every layer's forward once more).
+  region) planned and measured on the same fake step, with autograd's cross-entropy and softmaxes as Hugging
+  Face runs them; then our plan with that peak as the budget, and its extra FLOPs against per-layer
+  checkpointing's.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ os.environ.setdefault("AUTORECOMPUTE_CACHE", "off")   # benchmarks time planning
 import autorecompute  # noqa: E402
 from autorecompute.budget import format_bytes  # noqa: E402
 from autorecompute.errors import InfeasibleBudgetError  # noqa: E402
+from autorecompute.passes.apply_plan import graph_module_of  # noqa: E402
+from autorecompute.passes.rewrite_lean_ops import rewrite_lean_ops  # noqa: E402
 from autorecompute.passes.verify import fake_step_memory  # noqa: E402
 from autorecompute.planner import PlannerOptions, make_plan  # noqa: E402
 from autorecompute.search import Strategies, not_solved  # noqa: E402
@@ -81,21 +84,16 @@ PER_LAYER = Strategies(lowest_start=lambda problem: (per_block_plan(problem), {}
 
 
 def per_layer(model, args, kwargs):
-    """(peak, extra FLOPs) of Hugging Face's per-layer checkpointing: the peak of the model's own step after
-    ``gradient_checkpointing_enable()``, measured on fake tensors (autograd's cross-entropy and softmaxes, as
-    it runs them); the extra FLOPs of every layer's forward once more (the per-layer plan's)."""
+    """(peak, extra FLOPs) of per-layer checkpointing (Hugging Face's ``gradient_checkpointing_enable()``: every
+    layer one region) on the planner's fake step — the fused attention a GPU runs — with autograd's
+    cross-entropy and softmaxes, as Hugging Face runs them (not the lean ones capture gives our plans)."""
     options = PlannerOptions(actions=("recompute",), solver_time_limit=1.0, strategies=PER_LAYER)
     try:
         make_plan(model, args, kwargs, 1, options)
     except InfeasibleBudgetError as error:
-        flops = make_plan(model, args, kwargs, error.minimum, options).plan.extra_flops
-    name = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"   # transformers 5, 4
-    getattr(model, f"{name}_checkpointing_enable")(**{f"{name}_checkpointing_kwargs": {"use_reentrant": False}})
-    try:
-        peak = fake_step_memory(model, args, kwargs).peak
-    finally:
-        getattr(model, f"{name}_checkpointing_disable")()
-    return peak, flops
+        planned = make_plan(model, args, kwargs, error.minimum, options)
+    rewrite_lean_ops(graph_module_of(planned.module), lean=())
+    return fake_step_memory(planned.module, args, kwargs).peak, planned.plan.extra_flops
 
 
 def budget_of(kind: str, layers: int) -> float:

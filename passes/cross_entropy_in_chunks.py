@@ -3,7 +3,10 @@
 :func:`~autorecompute.runtime.cross_entropy.cross_entropy_in_chunks` holds the logits where autograd's holds their
 log-softmax, and one vocabulary-sized tensor less in its backward; the values are the same. The profile counts
 that memory; a plan that fits without it puts autograd's cross-entropy back
-(:mod:`~autorecompute.passes.rewrite_lean_ops`).
+(:mod:`~autorecompute.passes.rewrite_lean_ops`). Where low-precision logits are cast up for the loss alone
+(``logits.float()`` in Hugging Face's causal-LM loss), the cast is made a chunk at a time too: the cast node
+hands the logits on as they are (:func:`~autorecompute.runtime.cross_entropy.upcast_by_cross_entropy`), lean
+only together with its cross-entropy.
 """
 from __future__ import annotations
 
@@ -13,9 +16,12 @@ import torch
 import torch.fx
 
 from autorecompute.passes.meta import LeanOp, mark_lean_op
-from autorecompute.runtime.cross_entropy import cross_entropy_in_chunks
+from autorecompute.runtime.cross_entropy import cross_entropy_in_chunks, upcast_by_cross_entropy
 
-_CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
+_aten = torch.ops.aten
+_CROSS_ENTROPY = _aten.cross_entropy_loss.default
+_UPCASTS = {_aten.to.dtype, _aten._to_copy.default, _aten.to.dtype_layout}
+_RESHAPES = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.flatten.using_ints}
 _PARAMETERS = ("weight", "reduction", "ignore_index", "label_smoothing")
 _DEFAULTS = (None, 1, -100, 0.0)
 # the chunks' log-softmax and its gradient are at most an eighth of the logits each, and at most this many bytes
@@ -36,10 +42,37 @@ def chunk_cross_entropies(gm: torch.fx.GraphModule) -> None:
             continue
         weight, reduction, ignore_index, smoothing = options
         chunks = chunks_for(logits.meta["val"])
-        mark_lean_op(node, LeanOp("cross-entropy in chunks", 2, cross_entropy_in_chunks,
-                                  (reduction, ignore_index, chunks), _CROSS_ENTROPY, options))
-        node.target, node.args, node.kwargs = cross_entropy_in_chunks, (logits, target, reduction, ignore_index,
-                                                                         chunks), {}
+        upcast = _upcast_for_the_loss_alone(logits, node)
+        if upcast is not None:
+            _defer_upcast(upcast, node.name)
+        lean = (reduction, ignore_index, chunks, None if upcast is None else logits.meta["val"].dtype)
+        mark_lean_op(node, LeanOp("cross-entropy in chunks", 2, cross_entropy_in_chunks, lean, _CROSS_ENTROPY,
+                                  options))
+        node.target, node.args, node.kwargs = cross_entropy_in_chunks, (logits, target, *lean), {}
+
+
+def _upcast_for_the_loss_alone(logits: torch.fx.Node, loss: torch.fx.Node) -> torch.fx.Node | None:
+    """The node casting low-precision floats up whose one reader is ``logits``, a reshape whose one reader is
+    the cross-entropy ``loss``: ``logits.float().view(-1, vocabulary)``. None where there is none."""
+    if logits.target not in _RESHAPES or list(logits.users) != [loss]:
+        return None
+    cast = logits.args[0]
+    if not isinstance(cast, torch.fx.Node) or cast.op != "call_function" or cast.target not in _UPCASTS \
+            or list(cast.users) != [logits] or not isinstance(cast.args[0], torch.fx.Node):
+        return None
+    before, after = cast.args[0].meta.get("val"), cast.meta.get("val")
+    if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
+        return None
+    widens = before.is_floating_point() and after.is_floating_point() and before.element_size() < after.element_size()
+    same = before.shape == after.shape and before.device == after.device and before.layout == after.layout
+    return cast if widens and same else None
+
+
+def _defer_upcast(cast: torch.fx.Node, loss: str) -> None:
+    """``cast`` hands its input on as it is, lean only together with the cross-entropy ``loss`` that casts."""
+    mark_lean_op(cast, LeanOp("upcast made by its cross-entropy", 1, upcast_by_cross_entropy, (), cast.target,
+                              tuple(cast.args[1:]), tuple(cast.kwargs.items()), lean_with=loss))
+    cast.target, cast.args, cast.kwargs = upcast_by_cross_entropy, (cast.args[0],), {}
 
 
 def chunks_for(logits: torch.Tensor) -> int:

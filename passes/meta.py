@@ -75,14 +75,17 @@ def step_profile(gm: torch.fx.GraphModule) -> StepProfile:
 @dataclass(frozen=True)
 class LeanOp:
     """The two forms of an op capture made lean: the node's first ``inputs`` arguments, then the lean form's
-    constants (``lean(*inputs, *lean_constants)``) or autograd's (``autograd(*inputs, *autograd_constants)``).
-    Constants only (no nodes), so the mark survives copies of the graph."""
+    constants (``lean(*inputs, *lean_constants)``) or autograd's (``autograd(*inputs, *autograd_constants,
+    **dict(autograd_keywords))``). Constants only (no nodes), so the mark survives copies of the graph.
+    ``lean_with`` names the lean op this one is lean only together with (an upcast its cross-entropy makes)."""
     kind: str                        # what it is, in a plan's words ("softmax in place", "cross-entropy in chunks")
     inputs: int
     lean: Callable
     lean_constants: tuple
     autograd: Callable
     autograd_constants: tuple
+    autograd_keywords: tuple = ()    # (name, value) pairs
+    lean_with: str = ""
 
 
 def mark_lean_op(node: torch.fx.Node, lean_op: LeanOp) -> None:

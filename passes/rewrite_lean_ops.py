@@ -40,19 +40,35 @@ def rewrite_lean_ops(gm: torch.fx.GraphModule, lean: Collection[str]) -> torch.f
         >>> [str(n.target) for n in rewrite_lean_ops(gm, ()).graph.nodes if n.name == "softmax"]
         ['aten.softmax.int']
     """
+    _check_together(gm, lean)
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
         changed = False
         for node in module.graph.nodes:
-            if not is_lean_op(node):
-                continue
-            forms = lean_op(node)
-            inputs = node.args[:forms.inputs]
-            target, args = (forms.lean, inputs + forms.lean_constants) if node.name in lean \
-                else (forms.autograd, inputs + forms.autograd_constants)
-            if node.target is not target or node.args != args:
-                node.target, node.args, changed = target, args, True
+            if is_lean_op(node):
+                changed |= _switch(node, node.name in lean)
         if changed:
             module.recompile()
     return gm
+
+
+def _switch(node: torch.fx.Node, lean: bool) -> bool:
+    """``node`` in its lean form or autograd's; whether it changed."""
+    forms = lean_op(node)
+    inputs = node.args[:forms.inputs]
+    target, args, kwargs = (forms.lean, inputs + forms.lean_constants, {}) if lean \
+        else (forms.autograd, inputs + forms.autograd_constants, dict(forms.autograd_keywords))
+    if node.target is target and node.args == args and node.kwargs == kwargs:
+        return False
+    node.target, node.args, node.kwargs = target, args, kwargs
+    return True
+
+
+def _check_together(gm: torch.fx.GraphModule, lean: Collection[str]) -> None:
+    """Fails where an op named lean is lean only with another that is not (its values would change)."""
+    for module in gm.modules():
+        for node in module.graph.nodes if isinstance(module, torch.fx.GraphModule) else ():
+            if is_lean_op(node) and node.name in lean and lean_op(node).lean_with not in ("", *lean):
+                raise ValueError(f"{node.name!r} ({lean_op(node).kind}) is lean only together with "
+                                 f"{lean_op(node).lean_with!r}, which is not named lean: name both or neither")

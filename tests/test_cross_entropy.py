@@ -12,7 +12,8 @@ from autorecompute.passes.capture import capture
 from autorecompute.passes.cross_entropy_in_chunks import chunks_for
 from autorecompute.passes.meta import is_lean_op
 from autorecompute.plan import Plan
-from autorecompute.runtime.cross_entropy import REDUCTIONS, cross_entropy_in_chunks
+from autorecompute.passes.rewrite_lean_ops import lean_op_nodes, rewrite_lean_ops
+from autorecompute.runtime.cross_entropy import REDUCTIONS, cross_entropy_in_chunks, upcast_by_cross_entropy
 from harness import assert_bitwise_equal, measured_step
 
 
@@ -32,6 +33,18 @@ def test_the_loss_and_the_logits_gradient_are_autograds_bit_for_bit(reduction, c
                        torch.autograd.grad(expected, logits, upstream)[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_upcast_made_a_chunk_at_a_time_gives_autograds_loss_and_gradient(dtype):
+    torch.manual_seed(0)
+    logits = torch.randn(64, 300, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, 300, (64,))
+    expected = F.cross_entropy(logits.float(), target)
+    loss = cross_entropy_in_chunks(upcast_by_cross_entropy(logits), target, upcast=torch.float32, chunks=5)
+    assert loss.dtype == torch.float32 and torch.equal(loss, expected)
+    gradient, = torch.autograd.grad(loss, logits)
+    assert gradient.dtype == dtype and torch.equal(gradient, torch.autograd.grad(expected, logits)[0])
+
+
 class Head(torch.nn.Module):
     """A language-model head over a wide vocabulary, its loss inside: the logits and the cross-entropy's
     vocabulary-sized tensors are most of the step."""
@@ -45,6 +58,7 @@ class Head(torch.nn.Module):
 
     def forward(self, ids, labels):
         logits = self.out(torch.tanh(self.mix(self.embed(ids))))
+        logits = logits.float() if logits.dtype != torch.float32 else logits      # as HF's causal-LM loss
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), **self.loss_options)
 
 
@@ -64,7 +78,7 @@ def test_capture_makes_an_unweighted_cross_entropy_over_class_indices_lean():
     gm = capture(model, (ids, labels), {})
     chunks = chunks_for(torch.empty(256, 4096))
     assert _listing(gm) == ["view = view.default('linear_1', [-1, 4096])", "view_1 = view.default('labels', [-1])",
-                            f"cross_entropy_loss = cross_entropy_in_chunks('view', 'view_1', 1, -100, {chunks})"]
+                            f"cross_entropy_loss = cross_entropy_in_chunks('view', 'view_1', 1, -100, {chunks}, None)"]
     assert chunks == 8                                            # at least eight chunks, each ≤ 32 MiB
     assert chunks_for(torch.empty(8 * 1024, 50257)) == 50          # GPT-2's logits: 50 chunks of ≤ 32 MiB
 
@@ -106,3 +120,30 @@ def test_plan_files_carry_the_lean_ops_and_older_files_their_softmaxes():
     older = json.loads(plan.to_json())
     older["schema_version"], older["softmax_in_place"] = 12, older.pop("lean_ops")
     assert Plan.from_json(json.dumps(older)).lean_ops == ("cross_entropy_loss",)
+
+
+def test_a_low_precision_models_upcast_for_the_loss_is_made_by_the_lean_cross_entropy():
+    """bfloat16 logits cast to float32 for the loss alone: the cast hands them on, the lean cross-entropy casts
+    a chunk at a time — lean together only; at the minimum the float32 logits are never whole: below eager's
+    peak by their bytes and a bfloat16 logits tensor, bit for bit eager's."""
+    model, args = Head().to(torch.bfloat16), _batch()
+    gm = capture(model, args, {})
+    assert _listing(gm)[-1].startswith("cross_entropy_loss = cross_entropy_in_chunks('view', 'view_1', 1, -100, 8, "
+                                       "torch.float32)")
+    cast = next(n for n in gm.graph.nodes if n.target is upcast_by_cross_entropy)
+    assert [str(a) for a in cast.args] == ["linear_1"]
+    assert lean_op_nodes(gm) == ["cross_entropy_loss", cast.name]
+    with pytest.raises(ValueError, match="lean only together with 'cross_entropy_loss'"):
+        rewrite_lean_ops(gm, [cast.name])
+    assert rewrite_lean_ops(gm, ()) and cast.target is torch.ops.aten.to.dtype
+
+    eager = measured_step(model, model, args, {})
+    model.zero_grad(set_to_none=True)
+    minimum = autorecompute.minimum_peak(model, *args, actions=("recompute",), solver_time_limit=2)
+    logits = 4 * 64 * 4096
+    assert minimum <= eager.peak - logits * (4 + 2)
+    compiled = autorecompute.compile(model, budget=minimum, actions=("recompute",), solver_time_limit=2)
+    ours = measured_step(compiled, model, args, {})
+    assert set(compiled.plan.lean_ops) == {"cross_entropy_loss", cast.name}
+    assert ours.peak <= minimum and ours.peak == compiled.plan.predicted_peak
+    assert_bitwise_equal(eager, ours)

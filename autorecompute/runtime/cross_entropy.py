@@ -23,18 +23,18 @@ REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}   # ``aten.cross_entropy_loss``'s 
 class _CrossEntropyInChunks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int,
-                chunks: int) -> torch.Tensor:
+                chunks: int, upcast: torch.dtype | None) -> torch.Tensor:
         rows = _rows_per_chunk(logits.shape[0], chunks)
-        picked = logits.new_empty((logits.shape[0], 1))
+        picked = logits.new_empty((logits.shape[0], 1), dtype=upcast or logits.dtype)
         for start in range(0, logits.shape[0], rows):
             part = slice(start, start + rows)
             classes = torch.where(target[part] == ignore_index, 0, target[part]).unsqueeze(1)
-            torch.gather(_aten._log_softmax(logits[part], 1, False), 1, classes, out=picked[part])
+            torch.gather(_aten._log_softmax(_cast(logits[part], upcast), 1, False), 1, classes, out=picked[part])
         # nll_loss over the picked column: the same values summed in the same order as over the whole rows
         loss, total_weight = _aten.nll_loss_forward(picked, torch.where(target == ignore_index, ignore_index, 0),
                                                     None, reduction, ignore_index)
         ctx.save_for_backward(logits, target, total_weight)
-        ctx.reduction, ctx.ignore_index, ctx.rows = reduction, ignore_index, rows
+        ctx.reduction, ctx.ignore_index, ctx.rows, ctx.upcast = reduction, ignore_index, rows, upcast
         return loss
 
     @staticmethod
@@ -43,27 +43,38 @@ class _CrossEntropyInChunks(torch.autograd.Function):
         result = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.rows):
             part = slice(start, start + ctx.rows)
-            log_softmax = _aten._log_softmax(logits[part], 1, False)
+            log_softmax = _aten._log_softmax(_cast(logits[part], ctx.upcast), 1, False)
             incoming = grad[part] if ctx.reduction == REDUCTIONS["none"] else grad
-            # nll_loss's gradient made in the result's rows, then the log-softmax's backward over it there: each
-            # element reads its own gradient and output after its row's sum, as the kernel reads them
-            rows = result[part]
+            # nll_loss's gradient made in the result's rows (or a chunk of the upcast's dtype, cast into them as
+            # the upcast's backward casts), then the log-softmax's backward over it there: each element reads its
+            # own gradient and output after its row's sum, as the kernel reads them
+            rows = result[part] if log_softmax.dtype == result.dtype else torch.empty_like(log_softmax)
             _aten.nll_loss_backward.grad_input(incoming, log_softmax, target[part], None, ctx.reduction,
                                                ctx.ignore_index, total_weight, grad_input=rows)
-            _aten._log_softmax_backward_data.out(rows, log_softmax, 1, logits.dtype, out=rows)
+            _aten._log_softmax_backward_data.out(rows, log_softmax, 1, log_softmax.dtype, out=rows)
             del log_softmax     # before the next chunk's is made
-        return result, None, None, None, None
+            if rows.dtype != result.dtype:
+                result[part].copy_(rows)
+            del rows
+        return result, None, None, None, None, None
 
 
 def _rows_per_chunk(rows: int, chunks: int) -> int:
     return max(1, -(-rows // max(1, chunks)))
 
 
+def _cast(chunk: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return chunk if dtype is None else chunk.to(dtype)
+
+
 def cross_entropy_in_chunks(logits: torch.Tensor, target: torch.Tensor, reduction: int = REDUCTIONS["mean"],
-                            ignore_index: int = -100, chunks: int = 8) -> torch.Tensor:
+                            ignore_index: int = -100, chunks: int = 8,
+                            upcast: torch.dtype | None = None) -> torch.Tensor:
     """``torch.nn.functional.cross_entropy(logits, target, reduction=..., ignore_index=...)`` for 2-D ``logits``
     and class-index ``target``, whose log-softmax lives a chunk of ``chunks`` at a time (see the module
-    docstring); ``reduction`` as ``aten.cross_entropy_loss`` codes it (:data:`REDUCTIONS`).
+    docstring); ``reduction`` as ``aten.cross_entropy_loss`` codes it (:data:`REDUCTIONS`). With ``upcast``,
+    that of ``logits.to(upcast)`` (``logits.float()`` before the loss, as Hugging Face's causal-LM loss does),
+    each chunk cast in turn: the low-precision logits are kept, and their gradient is made in their dtype.
 
     Example:
         >>> logits = torch.randn(64, 1000, requires_grad=True)
@@ -79,5 +90,22 @@ def cross_entropy_in_chunks(logits: torch.Tensor, target: torch.Tensor, reductio
         # traced again (a GraphModule pickled or symbolic_trace'd is rebuilt by tracing its code): one node, as
         # planned — traced into, it would record its chunks' ops and not their memory
         return logits.tracer.create_proxy("call_function", cross_entropy_in_chunks,
-                                          (logits, target, reduction, ignore_index, chunks), {})
-    return _CrossEntropyInChunks.apply(logits, target, reduction, ignore_index, chunks)
+                                          (logits, target, reduction, ignore_index, chunks, upcast), {})
+    return _CrossEntropyInChunks.apply(logits, target, reduction, ignore_index, chunks, upcast)
+
+
+def upcast_by_cross_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` as they are: what ``logits.to(float32)`` becomes where the one cross-entropy reading the result
+    makes that cast itself, a chunk at a time (``cross_entropy_in_chunks(..., upcast=)``): the float copy of
+    the logits is never whole.
+
+    Example:
+        >>> logits = torch.randn(16, 100, dtype=torch.bfloat16, requires_grad=True)
+        >>> target = torch.randint(0, 100, (16,))
+        >>> loss = cross_entropy_in_chunks(upcast_by_cross_entropy(logits), target, upcast=torch.float32)
+        >>> torch.equal(loss, torch.nn.functional.cross_entropy(logits.float(), target))
+        True
+    """
+    if isinstance(logits, torch.fx.Proxy):
+        return logits.tracer.create_proxy("call_function", upcast_by_cross_entropy, (logits,), {})
+    return logits
