@@ -45,7 +45,7 @@ from autorecompute.runtime.codecs import CODECS
 from autorecompute.runtime.memory import AUTO
 from autorecompute.runtime.stash import StashRuntime, distributed
 from autorecompute.runtime.tiers import check_writable
-from autorecompute.search import Search, SearchPlan, Strategies
+from autorecompute.search import TRIVIAL, Found, Search, SearchPlan, Strategies
 from autorecompute.solvers import layered
 from autorecompute.throughputs import TransferModel, counting_flops, default_for
 
@@ -264,7 +264,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
         raise InfeasibleBudgetError(budget_bytes, peak, _breakdown(profile, peak), options.actions,
                                     fraction=parsed if isinstance(parsed, float) else None, baseline=base)
     if options.engine == "eager":
-        lean, peak = _lean_ops(found.module, args, kwargs, budget_bytes, found.peak, reserve, keep)
+        lean, peak = _lean_ops(found, args, kwargs, budget_bytes, reserve, keep, room=baseline_peak - profile.peak)
     else:
         lean = ()
     recompute, stash = found.decisions
@@ -457,18 +457,25 @@ def _unoptimized_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, profi
         rewrite_lean_ops(gm, lean=names)
 
 
-def _lean_ops(module: torch.nn.Module, args: tuple, kwargs: dict, budget: int,
-              peak: int, reserve: int, keep_outputs: bool) -> tuple[tuple[str, ...], int]:
+def _lean_ops(found: Found, args: tuple, kwargs: dict, budget: int, reserve: int, keep_outputs: bool,
+              room: int) -> tuple[tuple[str, ...], int]:
     """(the ops that stay in the lean form capture gave them, the step's verified peak).
 
     The profile and the plan count every op capture made lean at its lower memory; where the step also fits
     ``budget`` with all of them back in autograd's form (measured, as every plan is), they go back: autograd's
     softmax backward is called from C++, ~35 µs a softmax less on a CPU (2% of a GPT-style step at √N's peak),
-    and its cross-entropy makes the log-softmax once. Else all stay lean."""
+    and its cross-entropy makes the log-softmax once. Else all stay lean. A plan with less ``room`` under the
+    budget than autograd's forms took in the unoptimized step keeps them lean unmeasured: a step of thousands
+    of ops takes seconds to measure, for microseconds a step. The unoptimized plan (``found`` under a budget
+    above the unoptimized step) has its peak measured already, with autograd's forms."""
+    module, peak = found.module, found.peak
     gm = graph_module_of(module)
     names = lean_op_nodes(gm)
-    if not names:
+    if found.status == TRIVIAL:
+        rewrite_lean_ops(gm, lean=())
         return (), peak
+    if not names or budget - peak < room:
+        return tuple(names), peak
     rewrite_lean_ops(gm, lean=())
     autograds = fake_step_memory(module, args, kwargs, reserve, keep_outputs).peak
     if autograds <= budget:

@@ -154,6 +154,9 @@ class Lowest:
     verified: bool = False
 
 
+TRIVIAL = "trivial"      # Found.status of the unoptimized plan, under a budget above the unoptimized step
+
+
 @dataclass
 class Found:
     """The plan the search settles on: its decisions, the module that carries it out, its verified peak."""
@@ -340,7 +343,7 @@ class Search:
         log.info("minimum peak %s in the model (%s), %.2f s", format_bytes(self.lowest.peak), self.lowest.status,
                  time.perf_counter() - started)
         if self.budget >= self.baseline:
-            return Found(self.keep_all, self.unplanned, self.baseline, "trivial", 0.0)
+            return Found(self.keep_all, self.unplanned, self.baseline, TRIVIAL, 0.0)
         found, internal = self.cheapest_fitting(self.budget)
         if found is None and self.lowest.status != "optimal":
             # before falling back to the minimum-peak plan or refusing, the full time limit on the minimum: a

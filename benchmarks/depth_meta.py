@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -122,7 +123,6 @@ def row(kind: str, layers: int) -> dict:
         result.update(per_layer_peak=peak, per_layer_extra_flops=flops, ours_at_per_layer_peak=ours.predicted_peak,
                       ours_extra_flops=ours.extra_flops, quality=ours.extra_flops / flops,
                       quality_status=ours.solver_status)
-    print(json.dumps({k: v for k, v in result.items() if k != "stages"}), flush=True)
     return result
 
 
@@ -155,11 +155,25 @@ def write_doc(rows: list[dict]) -> None:
     DOC.write_text(text)
 
 
+def row_in_a_process_of_its_own(kind: str, layers: int) -> dict:
+    """:func:`row` in a fresh interpreter, as a training script plans its one model (in one process, each
+    model's plan time grew with the graphs planned before it)."""
+    done = subprocess.run([sys.executable, __file__, "--row", kind, str(layers)], check=True, capture_output=True,
+                          text=True)
+    print(done.stdout.splitlines()[-1], flush=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def main() -> None:
     if "--docs-only" in sys.argv:       # the table again from the last results
         write_doc(json.loads(RESULTS.read_text()))
         return
-    rows = [row("gpt2", n) for n in GPT2_DEPTHS] + [row("llama", n) for n in LLAMA_DEPTHS]
+    if "--row" in sys.argv:             # one row, its JSON the last line printed
+        kind, layers = sys.argv[sys.argv.index("--row") + 1:][:2]
+        print(json.dumps(row(kind, int(layers))))
+        return
+    rows = [row_in_a_process_of_its_own("gpt2", n) for n in GPT2_DEPTHS] + \
+        [row_in_a_process_of_its_own("llama", n) for n in LLAMA_DEPTHS]
     RESULTS.write_text(json.dumps(rows, indent=1))
     write_doc(rows)
     print(table(rows))
