@@ -21,7 +21,7 @@ from autorecompute.budget import format_bytes, parse_budget
 from autorecompute.errors import (EngineError, InfeasibleBudgetError, OverlappingStepsWarning, PartialBackwardWarning,
                                   ReplanningWarning, StepOverBudgetWarning, user_location, user_stacklevel)
 from autorecompute.passes.autocast import callers_autocast
-from autorecompute.loss import TARGET, LossOfModel, with_loss
+from autorecompute.loss import TARGET, LossOfModel, plan_name, users_model, with_loss
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
 from autorecompute.runtime.memory import (ALLOCATOR_SLACK, device_bytes_outside, differentiable_outputs,
@@ -257,10 +257,10 @@ class CompiledModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, budget, options: PlannerOptions, learn_outputs: bool = False):
         super().__init__()
         # Share the model's state dicts themselves: parameters(), state_dict() and optimizers see the
-        # same objects under the same names as on the model.
-        self._parameters = model._parameters
-        self._buffers = model._buffers
-        self._modules = model._modules
+        # same objects under the same names as on the model (the user's model, not the loss around it).
+        self._parameters = users_model(model)._parameters
+        self._buffers = users_model(model)._buffers
+        self._modules = users_model(model)._modules
         self.__dict__["_model"] = model
         self.__dict__["_budget"] = budget
         self.__dict__["_options"] = options
@@ -317,7 +317,7 @@ class CompiledModule(torch.nn.Module):
     @property
     def model(self) -> torch.nn.Module:
         """The original model."""
-        return self._model
+        return users_model(self._model)
 
     @property
     def plan(self) -> Plan | None:
@@ -366,7 +366,7 @@ class CompiledModule(torch.nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self.__dict__["_model"], name)
+            return getattr(users_model(self.__dict__["_model"]), name)
 
     def _wants_plan(self, args: tuple, kwargs: dict) -> bool:
         # whenever autograd records, a backward may follow — in eval mode too (fine-tuning with dropout off)
@@ -379,6 +379,8 @@ class CompiledModule(torch.nn.Module):
 
     def prepare(self, *args, **kwargs) -> Plan:
         """Plans for these inputs now (as the first training call would) without running a step."""
+        if isinstance(self._model, LossOfModel):
+            _model_keywords(kwargs, self._model.loss_fn)       # the loss's target is there, or how to pass it
         self._check_first_step()
         return self._planned(args, self._without_cache(kwargs)).plan
 
@@ -408,7 +410,7 @@ class CompiledModule(torch.nn.Module):
                 del self._plans[stale]
                 self._states.pop(stale, None)
             signature = step_signature(self._model, args, kwargs, inputs)
-            log.info("planning %s for %s", type(self._model).__name__, signature)
+            log.info("planning %s for %s", plan_name(self._model), signature)
             with torch.random.fork_rng(devices=[]):   # planning must not move the user's RNG stream
                 planned = make_plan(self._model, args, kwargs, self._budget, self._options_for(inputs, engine),
                                     signature)
@@ -444,7 +446,7 @@ class CompiledModule(torch.nn.Module):
             twins = len(self._plans) - count
             also = f" (and {twins} for steps that start with other gradients)" if twins else ""
             warnings.warn(
-                f"autorecompute has made {count} plans{also} for {type(self._model).__name__}: each new one is "
+                f"autorecompute has made {count} plans{also} for {plan_name(self._model)}: each new one is "
                 f"captured and solved again, seconds of planning, and its plan is kept; {cause}.",
                 ReplanningWarning, stacklevel=user_stacklevel())
         return planned
@@ -543,7 +545,7 @@ class CompiledModule(torch.nn.Module):
         learned = plan.loss_reserve + excess + excess // 8
         self._reserves[inputs] = (learned, times + 1)
         warnings.warn(
-            f"autorecompute: the first step of {type(self._model).__name__}'s plan for {plan.signature} measured "
+            f"autorecompute: the first step of {plan_name(self._model)}'s plan for {plan.signature} measured "
             f"{format_bytes(step.peak)}, over its budget of {format_bytes(plan.budget)} (the plan predicted "
             f"{format_bytes(plan.predicted_peak)} with {format_bytes(plan.loss_reserve)} reserved for the code "
             "between forward and backward, a loss over the outputs): that code held more. Planning these inputs "
@@ -568,7 +570,7 @@ class CompiledModule(torch.nn.Module):
         if self._options.actions != ("recompute",) and not self.__dict__.get("_told_engine"):
             self.__dict__["_told_engine"] = True
             log.info("under torch.compile %s is planned with recomputation only (the compiled graph runs no "
-                     "offload or compress hooks)", type(self._model).__name__)
+                     "offload or compress hooks)", plan_name(self._model))
         return dataclasses.replace(self._options, engine=engine, actions=("recompute",), compress_dtypes=None,
                                    offload_dir=None)
 
@@ -598,7 +600,7 @@ class CompiledModule(torch.nn.Module):
         self.__dict__["_pending"] = None
         self.__dict__["_told_overlap"] = True
         warnings.warn(
-            f"A forward of {type(self._model).__name__} began while the graph of its previous forward, whose "
+            f"A forward of {plan_name(self._model)} began while the graph of its previous forward, whose "
             "backward has not run, is still alive: the plan covers one forward and its backward, so the saved "
             "activations of both forwards are on the device at once, which it did not count, and this step "
             "can go over the budget (gradients are eager's). Fix: one forward per backward — run the inputs as "
@@ -644,14 +646,14 @@ class CompiledModule(torch.nn.Module):
             return
         if found == "kept":
             warnings.warn(
-                f"autorecompute: {type(self._model).__name__}'s plan is for outputs dropped before backward "
+                f"autorecompute: {plan_name(self._model)}'s plan is for outputs dropped before backward "
                 "(outputs='dropped'), but the last step held them through its backward, which the plan did not "
                 "count: that step may have gone over the budget. Planning again for outputs kept. Fix: drop the "
                 "outputs before backward (loss = model(x).loss), or compile with outputs='kept' or 'auto'.",
                 PartialBackwardWarning, stacklevel=user_stacklevel())
         else:
             log.info("%s's first step dropped the outputs before backward: planning again for that (one "
-                     "outputs-sized tensor less held)", type(self._model).__name__)
+                     "outputs-sized tensor less held)", plan_name(self._model))
         self.__dict__["_options"] = dataclasses.replace(self._options, outputs=found)
         self._plans.clear()
         self._states.clear()
@@ -926,7 +928,7 @@ def _original(model: torch.nn.Module) -> torch.nn.Module:
     new settings; the first keeps working). A compiled submodule inside ``model`` is refused: its wrapper
     would plan on its own inside the capture of the whole."""
     if isinstance(model, CompiledModule):
-        model = model.__dict__["_model"]
+        model = users_model(model.__dict__["_model"])
     if not isinstance(model, torch.nn.Module):
         what = f"the class {model.__name__}" if isinstance(model, type) else f"a {type(model).__name__}"
         raise TypeError(f"autorecompute plans a torch.nn.Module instance; got {what}. Fix: pass the model "

@@ -25,7 +25,9 @@ _MISSING: Any = _Missing()
 
 
 class LossOfModel(torch.nn.Module):
-    """``loss_fn(model(*args, **kwargs), target)`` as one module, sharing ``model``'s parameters and buffers.
+    """``loss_fn(model(*args, **kwargs), target)`` as one module, sharing ``model``'s parameters and buffers
+    (a module compiled with it pickles only where ``loss_fn`` does: a module-level function or a loss module,
+    not a lambda).
 
     Example:
         >>> import torch
@@ -72,6 +74,11 @@ def with_loss(model: torch.nn.Module, loss_fn: Callable | None) -> torch.nn.Modu
                          "model's forward (it is captured with the model then), or wrap the model in a module "
                          "whose forward has no 'target'.")
     return LossOfModel(model, loss_fn)
+
+
+def users_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside ``module``: its ``model`` for a :class:`LossOfModel`, else ``module`` itself."""
+    return module.model if isinstance(module, LossOfModel) else module
 
 
 def plan_name(model: torch.nn.Module) -> str:

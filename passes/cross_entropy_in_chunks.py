@@ -64,7 +64,8 @@ def _upcast_for_the_loss_alone(logits: torch.fx.Node, loss: torch.fx.Node) -> to
     if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
         return None
     widens = before.is_floating_point() and after.is_floating_point() and before.element_size() < after.element_size()
-    same = before.shape == after.shape and before.device == after.device and before.layout == after.layout
+    same = before.shape == after.shape and before.stride() == after.stride() and before.device == after.device \
+        and before.layout == after.layout
     return cast if widens and same else None
 
 

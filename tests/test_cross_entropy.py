@@ -20,13 +20,14 @@ from harness import assert_bitwise_equal, measured_step
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("chunks", [1, 3, 8, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_the_loss_and_the_logits_gradient_are_autograds_bit_for_bit(reduction, chunks, dtype):
+@pytest.mark.parametrize("ignore_index", [-100, 0])
+def test_the_loss_and_the_logits_gradient_are_autograds_bit_for_bit(reduction, chunks, dtype, ignore_index):
     torch.manual_seed(0)
     logits = torch.randn(37, 517, dtype=dtype, requires_grad=True)
-    target = torch.randint(0, 517, (37,))
-    target[::5] = -100                                          # ignored rows: no loss, no gradient
-    expected = F.cross_entropy(logits, target, reduction=reduction)
-    loss = cross_entropy_in_chunks(logits, target, REDUCTIONS[reduction], -100, chunks)
+    target = torch.randint(1, 517, (37,))
+    target[::5] = ignore_index                                  # ignored rows: no loss, no gradient
+    expected = F.cross_entropy(logits, target, reduction=reduction, ignore_index=ignore_index)
+    loss = cross_entropy_in_chunks(logits, target, REDUCTIONS[reduction], ignore_index, chunks)
     upstream = torch.randn_like(expected)
     assert torch.equal(loss, expected)
     assert torch.equal(torch.autograd.grad(loss, logits, upstream)[0],
@@ -43,6 +44,28 @@ def test_an_upcast_made_a_chunk_at_a_time_gives_autograds_loss_and_gradient(dtyp
     assert loss.dtype == torch.float32 and torch.equal(loss, expected)
     gradient, = torch.autograd.grad(loss, logits)
     assert gradient.dtype == dtype and torch.equal(gradient, torch.autograd.grad(expected, logits)[0])
+
+
+def test_transposed_logits_autocast_and_a_gradient_of_the_gradient_are_autograds():
+    torch.manual_seed(0)
+    target = torch.randint(0, 40, (24,))
+    weights = torch.randn(40, 24, requires_grad=True)              # logits = weights.T: not contiguous
+    expected = F.cross_entropy(weights.t(), target)
+    loss = cross_entropy_in_chunks(weights.t(), target, chunks=5)
+    assert torch.equal(loss, expected)
+    assert torch.equal(torch.autograd.grad(loss, weights)[0], torch.autograd.grad(expected, weights)[0])
+
+    low = torch.randn(24, 40, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):              # autocast's cross-entropy is float32's
+        expected, loss = F.cross_entropy(low, target), cross_entropy_in_chunks(low, target, chunks=5)
+    assert loss.dtype == expected.dtype == torch.float32 and torch.equal(loss, expected)
+    assert torch.equal(torch.autograd.grad(loss, low)[0], torch.autograd.grad(expected, low)[0])
+
+    logits = torch.randn(24, 40, dtype=torch.float64, requires_grad=True)
+    gradients = [torch.autograd.grad(f(logits, target), logits, create_graph=True)[0]
+                 for f in (F.cross_entropy, lambda x, t: cross_entropy_in_chunks(x, t, chunks=5))]
+    assert torch.equal(*gradients)
+    assert torch.equal(*[torch.autograd.grad(g.square().sum(), logits)[0] for g in gradients])
 
 
 class Head(torch.nn.Module):
@@ -120,6 +143,22 @@ def test_plan_files_carry_the_lean_ops_and_older_files_their_softmaxes():
     older = json.loads(plan.to_json())
     older["schema_version"], older["softmax_in_place"] = 12, older.pop("lean_ops")
     assert Plan.from_json(json.dumps(older)).lean_ops == ("cross_entropy_loss",)
+
+
+def test_an_upcast_of_a_slice_stays_a_cast():
+    """``logits[:, :-1].float()`` is a contiguous copy of a strided slice: handed on as it is, the slice's
+    strides would not take the ``view`` after it."""
+    class Shifted(Head):
+        def forward(self, ids, labels):
+            logits = self.out(torch.tanh(self.mix(self.embed(ids))))[:, :-1].float()
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+    model, args = Shifted().to(torch.bfloat16), _batch()
+    gm = capture(model, args, {})
+    assert not any(n.target is upcast_by_cross_entropy for n in gm.graph.nodes)
+    assert lean_op_nodes(gm) == ["cross_entropy_loss"]
+    eager = measured_step(model, model, args, {})
+    assert_bitwise_equal(eager, measured_step(gm, model, args, {}))
 
 
 def test_a_low_precision_models_upcast_for_the_loss_is_made_by_the_lean_cross_entropy():

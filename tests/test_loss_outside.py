@@ -146,9 +146,10 @@ def _allocated_step(step_module, case, loss_fn, readings):
 @pytest.mark.parametrize("name", MODELS)
 def test_at_the_modules_own_minimum_every_step_fits_or_the_refusal_names_a_budget_that_does(name):
     """At the least budget of the module alone the step with its loss fits, or is refused with a ``.minimum``
-    that counts the loss; every step at the budget taken is within it, with eager's loss and gradients."""
+    that counts the loss; every step at the budget taken is within it, with cross-entropy and with a loss of
+    the user's own, with eager's loss and gradients."""
     case = models.make(name)
-    _, eager_loss, eager_grads = _measured_step(case.model, case, cross_entropy)
+    eager = {loss_fn: _measured_step(case.model, case, loss_fn) for loss_fn in (cross_entropy, smooth_l1)}
     case.model.zero_grad(set_to_none=True)
     module_minimum = autorecompute.minimum_peak(case.model, *case.args, **case.kwargs, loss_reserve=0,
                                                 solver_time_limit=SOLVER_TIME)
@@ -160,9 +161,10 @@ def test_at_the_modules_own_minimum_every_step_fits_or_the_refusal_names_a_budge
         budget = refused.minimum
         assert budget > module_minimum
     compiled = autorecompute.compile(case.model, budget=budget, solver_time_limit=SOLVER_TIME)
-    for _ in range(2):
-        peak, loss, grads = _measured_step(compiled, case, cross_entropy)
-        assert peak <= budget
+    for loss_fn in (cross_entropy, smooth_l1, cross_entropy):
+        _, eager_loss, eager_grads = eager[loss_fn]
+        peak, loss, grads = _measured_step(compiled, case, loss_fn)
+        assert peak <= budget, f"{name}, {loss_fn.__name__}: measured {peak} over the budget {budget}"
         assert torch.equal(loss, eager_loss) and all(torch.equal(grads[n], eager_grads[n]) for n in eager_grads)
 
 
@@ -242,5 +244,11 @@ def test_loss_fn_is_checked_at_once_and_its_target_asked_for():
         compiled(x)
     with pytest.raises(TypeError, match="pass the loss's target as the keyword target="):
         autorecompute.plan(model, x, budget=1.0, loss_fn=F.cross_entropy)
+    with pytest.raises(TypeError, match="pass the loss's target as the keyword target="):
+        compiled.prepare(x)
     y = torch.tensor([0, 2, 1, 0])
     assert torch.equal(compiled(x, target=y), F.cross_entropy(model(x), y))
+    # the compiled module is the model's, as without a loss: its state, attributes and name
+    assert compiled.model is model and compiled.weight is model.weight and compiled.in_features == 8
+    assert compiled.state_dict().keys() == model.state_dict().keys()
+    compiled.load_state_dict(model.state_dict())

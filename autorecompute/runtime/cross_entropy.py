@@ -31,8 +31,9 @@ class _CrossEntropyInChunks(torch.autograd.Function):
             classes = torch.where(target[part] == ignore_index, 0, target[part]).unsqueeze(1)
             torch.gather(_aten._log_softmax(_cast(logits[part], upcast), 1, False), 1, classes, out=picked[part])
         # nll_loss over the picked column: the same values summed in the same order as over the whole rows
-        loss, total_weight = _aten.nll_loss_forward(picked, torch.where(target == ignore_index, ignore_index, 0),
-                                                    None, reduction, ignore_index)
+        # (column 0 for each row, -1 marking the ignored ones: ignore_index may be 0)
+        loss, total_weight = _aten.nll_loss_forward(picked, torch.where(target == ignore_index, -1, 0), None,
+                                                    reduction, -1)
         ctx.save_for_backward(logits, target, total_weight)
         ctx.reduction, ctx.ignore_index, ctx.rows, ctx.upcast = reduction, ignore_index, rows, upcast
         return loss
@@ -40,7 +41,9 @@ class _CrossEntropyInChunks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, target, total_weight = ctx.saved_tensors
-        result = torch.empty_like(logits)
+        if torch.is_grad_enabled():         # create_graph=True: the same ops, recorded, none written in place
+            return _recorded_backward(ctx, grad, logits, target, total_weight), None, None, None, None, None
+        result = torch.empty_like(logits, memory_format=torch.contiguous_format)
         for start in range(0, logits.shape[0], ctx.rows):
             part = slice(start, start + ctx.rows)
             log_softmax = _aten._log_softmax(_cast(logits[part], ctx.upcast), 1, False)
@@ -57,6 +60,21 @@ class _CrossEntropyInChunks(torch.autograd.Function):
                 result[part].copy_(rows)
             del rows
         return result, None, None, None, None, None
+
+
+def _recorded_backward(ctx, grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
+                       total_weight: torch.Tensor) -> torch.Tensor:
+    """The logits' gradient by the backward's ops without ``out=``, so that autograd records them (a gradient
+    of the gradient); the whole of each chunk's tensors is held until the end."""
+    parts = []
+    for start in range(0, logits.shape[0], ctx.rows):
+        part = slice(start, start + ctx.rows)
+        log_softmax = _aten._log_softmax(_cast(logits[part], ctx.upcast), 1, False)
+        incoming = grad[part] if ctx.reduction == REDUCTIONS["none"] else grad
+        picked_grad = _aten.nll_loss_backward(incoming, log_softmax, target[part], None, ctx.reduction,
+                                              ctx.ignore_index, total_weight)
+        parts.append(_aten._log_softmax_backward_data(picked_grad, log_softmax, 1, log_softmax.dtype))
+    return torch.cat(parts).to(logits.dtype) if parts else torch.zeros_like(logits)
 
 
 def _rows_per_chunk(rows: int, chunks: int) -> int:
@@ -91,7 +109,21 @@ def cross_entropy_in_chunks(logits: torch.Tensor, target: torch.Tensor, reductio
         # planned — traced into, it would record its chunks' ops and not their memory
         return logits.tracer.create_proxy("call_function", cross_entropy_in_chunks,
                                           (logits, target, reduction, ignore_index, chunks, upcast), {})
-    return _CrossEntropyInChunks.apply(logits, target, reduction, ignore_index, chunks, upcast)
+    device = logits.device.type
+    if not _autocast_enabled(device):
+        return _CrossEntropyInChunks.apply(logits, target, reduction, ignore_index, chunks, upcast)
+    # autocast runs cross-entropy in float32 (its fp32 list), its input cast up whole: here a chunk at a time
+    if upcast is None and logits.is_floating_point() and logits.element_size() < 4:
+        upcast = torch.float32
+    with torch.autocast(device, enabled=False):
+        return _CrossEntropyInChunks.apply(logits, target, reduction, ignore_index, chunks, upcast)
+
+
+def _autocast_enabled(device: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device)
+    except (RuntimeError, TypeError):       # a device type autocast does not know (meta)
+        return False
 
 
 def upcast_by_cross_entropy(logits: torch.Tensor) -> torch.Tensor:
