@@ -796,11 +796,8 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
             Face Trainer's step: one logits tensor less at the peak). ``"auto"`` (the default) plans them kept
             and looks at the first step: found dropped, the step is planned again for that (logged; the first
             step stays within its budget either way). ``plan.outputs`` says which a plan is for.
-        loss_fn: the loss, ``loss_fn(outputs, target) -> scalar`` (``torch.nn.CrossEntropyLoss()``, or a
-            function over the model's outputs), captured and planned with the model: the compiled module is
-            then called ``loss = compiled(*inputs, target=labels)`` and returns the loss. Its tensors are planned
-            like the model's — counted exactly instead of reserved, recomputed or offloaded where that pays, a
-            cross-entropy made a chunk of rows at a time — so budgets fit that a loss outside cannot.
+        loss_fn: ``loss_fn(outputs, target) -> loss``, captured and planned with the model (its tensors counted,
+            not reserved); then ``loss = compiled(*inputs, target=labels)`` returns the loss.
 
     Example:
         >>> import autorecompute, torch
@@ -810,10 +807,8 @@ def compile(model: torch.nn.Module, budget: int | float | str, *, actions: tuple
         >>> opt(torch.randn(4096, 256)).sum().backward()
         >>> opt.plan.predicted_peak <= opt.plan.budget
         True
-        >>> classify = autorecompute.compile(torch.nn.Linear(256, 10), budget=1.0, solver_time_limit=1.0,
-        ...                                  loss_fn=torch.nn.CrossEntropyLoss())
-        >>> loss = classify(torch.randn(64, 256), target=torch.randint(0, 10, (64,)))
-        >>> loss.backward()
+        >>> classify = autorecompute.compile(torch.nn.Linear(256, 10), budget=1.0, loss_fn=torch.nn.CrossEntropyLoss())
+        >>> classify(torch.randn(64, 256), target=torch.randint(0, 10, (64,))).backward()
         >>> classify.plan.model_name
         'Linear with its loss'
 
