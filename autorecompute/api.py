@@ -8,6 +8,7 @@ import inspect
 import logging
 import os
 import re
+import sys
 import warnings
 import weakref
 from functools import lru_cache, partial
@@ -21,6 +22,7 @@ from autorecompute.budget import format_bytes, parse_budget
 from autorecompute.errors import (EngineError, InfeasibleBudgetError, OverlappingStepsWarning, PartialBackwardWarning,
                                   ReplanningWarning, StepOverBudgetWarning, user_location, user_stacklevel)
 from autorecompute.passes.autocast import callers_autocast
+from autorecompute.passes.sharded_units import is_sharded
 from autorecompute.loss import TARGET, LossOfModel, plan_name, users_model, with_loss
 from autorecompute.plan import Plan
 from autorecompute.planner import DEFAULT_ACTIONS, Planned, PlannerOptions, make_plan
@@ -239,7 +241,13 @@ def _reads_replaced_tensors(planned: Planned, model: torch.nn.Module) -> bool:
     own.update(graph_module.named_buffers(remove_duplicate=False))
     current = dict(model.named_parameters(remove_duplicate=False))
     current.update(model.named_buffers(remove_duplicate=False))
-    return any(own.get(name, tensor) is not tensor for name, tensor in current.items())
+    # (FSDP2's shards are read through its gathered parameters: the graph holds placeholders under their names)
+    return any(own.get(name, tensor) is not tensor for name, tensor in current.items() if not _is_dtensor(tensor))
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")     # (not imported: no DTensor exists)
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def _cache_key(signature: str, args: tuple, kwargs: dict, state: int) -> str:
@@ -560,6 +568,12 @@ class CompiledModule(torch.nn.Module):
         """The planner's options for a step ``engine`` runs: under torch.compile recomputation only."""
         if engine == "eager":
             return self._options
+        if is_sharded(self._model):
+            raise EngineError(
+                f"torch.compile over autorecompute.compile of the fully_shard-ed {plan_name(self._model)}: the "
+                "plan runs FSDP2's gathers and hooks around each sharded module's ops, which a compiled graph "
+                "does not. Fix: call the compiled module without torch.compile (FSDP2's collectives run as in "
+                "eager), or torch.compile the model and shard it without autorecompute.")
         if "recompute" not in self._options.actions:
             raise EngineError(
                 f"torch.compile over autorecompute.compile(..., actions={self._options.actions!r}): a compiled "

@@ -41,6 +41,7 @@ from autorecompute.passes.verify import fake_step_memory, verify_plan
 from autorecompute.passes.verify_compiled import compiled_step_memory
 from autorecompute.plan import NodeRecord, Plan, StashRecord
 from autorecompute.problem import GRADIENT, Problem
+from autorecompute.rank_plans import RankShare
 from autorecompute.runtime.codecs import CODECS
 from autorecompute.runtime.memory import AUTO
 from autorecompute.runtime.stash import StashRuntime, distributed
@@ -222,23 +223,40 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     started = time.perf_counter()
     entered = callers_autocast()
     _warn_of_autocast_on_meta(args, kwargs, entered)
-    parsed = parse_budget(budget)
     gm = capture(model, args, kwargs)
     log.info("capture: %d nodes, %.2f s", len(gm.graph.nodes), time.perf_counter() - started)
-    t = time.perf_counter()
-    keep = options.outputs == "kept"
-    profile = profile_step(gm, args, kwargs, options.loss_reserve, keep)
-    key = _cache_key(gm, signature, budget, options, entered, _device_type(args, kwargs),
-                     checkpoints_itself(model, gm))
-    cached = plan_cache.load(key) if key else None
+    profiled = time.perf_counter()
+    profile = profile_step(gm, args, kwargs, options.loss_reserve, options.outputs == "kept")
+    key = _plan_key(gm, signature, budget, options, entered, _device_type(args, kwargs),
+                    checkpoints_itself(model, gm))
+    share = RankShare(key)
+    cached = (plan_cache.load(key) if key else None) or share.plan_of_another_rank()
     if cached is not None and cached.resident == dict(profile.resident) \
             and cached.loss_reserve == profile.loss_reserve and cached.outputs == options.outputs:
         # (a step that holds more besides the plan — optimizer state made since, other tensors on the device —
         # is planned again)
+        share.publish(cached)
         runtime = StashRuntime(options.offload_dir) if cached.stash else None
-        log.info("plan for %s loaded from the plan cache (%s)", signature, plan_cache.cache_dir())
+        log.info("plan for %s loaded from the plan cache (%s) or another rank", signature, plan_cache.cache_dir())
         return Planned(plan=cached, module=apply_plan(gm, cached.rewrite, runtime,
                                                       bind_calls=cached.engine == "eager"))
+    try:
+        planned = _solve(model, gm, profile, args, kwargs, budget, options, signature, entered, (started, profiled),
+                         key)
+    except BaseException:
+        share.publish(None)     # the other ranks plan themselves (and meet the same error)
+        raise
+    share.publish(planned.plan)
+    return planned
+
+
+def _solve(model: torch.nn.Module, gm: torch.fx.GraphModule, profile, args: tuple, kwargs: dict, budget,
+           options: PlannerOptions, signature: str, entered: list, times: tuple[float, float],
+           key: str | None) -> Planned:
+    """problem → search → Plan for a captured and profiled step, stored in the plan cache under ``key``."""
+    started, t = times
+    parsed = parse_budget(budget)
+    keep = options.outputs == "kept"
     transfer, speeds = _speeds(options, _device_type(args, kwargs))
     problem = _build(gm, options, transfer, speeds)
     log.info("profile + problem: %.2f s, %d ops in chain, %d recomputable, %d activations, %d stashable",
@@ -288,7 +306,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
              plan.plan_time)
     log.debug("plan: %s", plan.summary())
     if key:
-        plan_cache.store(key, plan)
+        plan_cache.store(key, plan)     # (nothing when the cache is off)
     if options.engine == "torch.compile":
         # the regions dynamo traces: every lean op in autograd's form, as measured
         return Planned(plan=plan, module=apply_plan(gm, rewrite, bind_calls=False))
@@ -367,11 +385,11 @@ def search_setup(problem: Problem, options: PlannerOptions) -> tuple[float, Stra
     return WHOLE_MODEL_TIME_LIMIT, options.strategies
 
 
-def _cache_key(gm: torch.fx.GraphModule, signature: str, budget, options: PlannerOptions, autocast: list,
-               device_type: str, own_checkpoints: bool) -> str | None:
-    """The plan cache's key for this step, or None where plans are not cached: the cache off, or a search
-    with its strategies replaced."""
-    if options.strategies != Strategies() or plan_cache.cache_dir() is None:
+def _plan_key(gm: torch.fx.GraphModule, signature: str, budget, options: PlannerOptions, autocast: list,
+              device_type: str, own_checkpoints: bool) -> str | None:
+    """The key of this step's plan (in the plan cache, between ranks), or None for a search with its strategies
+    replaced (tests'), whose plans are neither cached nor shared."""
+    if options.strategies != Strategies():
         return None
     searched = {"actions": options.actions, "solver_time_limit": options.solver_time_limit, "seed": options.seed,
                 "compress_dtypes": options.compress_dtypes, "objective": options.objective,

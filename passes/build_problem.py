@@ -17,6 +17,7 @@ from autorecompute.passes.graph_facts import is_mutating, read_before_written, s
 from autorecompute.passes.meta import node_info, node_info_if_profiled, step_profile
 from autorecompute.passes.profile import module_path
 from autorecompute.passes.profile_records import NodeInfo, StepProfile, TensorInfo
+from autorecompute.passes.sharded_units import is_sharded_call
 from autorecompute.throughputs import CPU_DISK, TransferModel
 from autorecompute.problem import GRADIENT, Activation, Problem, StashOption
 from autorecompute.runtime.codecs import codec
@@ -70,6 +71,8 @@ def updates_state(node: torch.fx.Node) -> bool:
         return bound["running_mean"] is not None and bool(bound[arguments[5].name])
     if isinstance(node.target, torch._ops.HigherOrderOperator):
         return subgraphs_mutate(node)
+    if is_sharded_call(node):   # FSDP2's gathers and hooks: once per forward
+        return True
     return is_mutating(node)
 
 

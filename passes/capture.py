@@ -45,6 +45,8 @@ from autorecompute.passes.drop_guards import drop_guards_and_asserts
 from autorecompute.passes.functionalize_mutations import functionalize_activation_mutations
 from autorecompute.passes.gpu_attention import size_attention_as_a_gpu_runs_it
 from autorecompute.passes.inline_attention import inline_math_attention
+from autorecompute.passes.sharded_units import (bracket_sharded_units, full_shape_placeholders, sharded_units,
+                                                without_forward_hooks)
 from autorecompute.passes.side_effects import refuse_or_warn, side_effects_recorded
 from autorecompute.passes.softmax_in_place import write_softmax_backward_in_place
 from autorecompute.passes.cross_entropy_in_chunks import chunk_cross_entropies
@@ -71,24 +73,26 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     """
     _refuse_sparse_gradients(model)
     _refuse_cumulative_batch_norm(model)
-    _warn_of_hooks(model)
-    try:
-        with _eager_mask_decisions(model, args, kwargs), _quiet_export_diagnostics(), \
-                _autograd_functions_applied() as functions, side_effects_recorded(model) as side_effects, \
-                _checkpoints_run() as checkpoints:
-            exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
-    except Exception as exc:  # export raises many types; all mean "cannot capture"
-        raise CaptureError(_capture_failure(model, exc)) from exc
+    units = sharded_units(model)
+    with full_shape_placeholders(units) as placeholders, without_forward_hooks(units):
+        _warn_of_hooks(model)
+        try:
+            with _eager_mask_decisions(model, args, kwargs), _quiet_export_diagnostics(), \
+                    _autograd_functions_applied() as functions, side_effects_recorded(model) as side_effects, \
+                    _checkpoints_run() as checkpoints:
+                exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+        except Exception as exc:  # export raises many types; all mean "cannot capture"
+            raise CaptureError(_capture_failure(model, exc)) from exc
+        gm = exported.module()
+        _share_state_with(gm, model)
     refuse_or_warn(model, side_effects)
     _refuse_reentrant_checkpoint(model, functions)
     _refuse_custom_backward(model, functions)
-    gm = exported.module()
     # the model's own checkpoints are traced through (the plan decides what runs again); a fractional budget
     # is of the step the model had with them (planner._fraction_base)
     gm.meta["checkpoints_itself"] = bool(checkpoints)
     _refuse_data_dependent_shapes(gm, model)
     _warn_of_autocast_regions(gm, model)
-    _share_state_with(gm, model)
     drop_guards_and_asserts(gm)
     inline_math_attention(gm)
     size_attention_as_a_gpu_runs_it(gm)
@@ -96,6 +100,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
     write_softmax_backward_in_place(gm)
     chunk_cross_entropies(gm)
     widen_at_each_reader(gm)
+    bracket_sharded_units(gm, units, placeholders)
     gm.graph.lint()
     gm.recompile()
     return gm

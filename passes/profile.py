@@ -292,6 +292,10 @@ def _resident(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> tuple[dict
         "inputs": tensor_bytes([args, kwargs]),
         "gradients": tensor_bytes(grads),
     }
+    units = gm.meta.get("sharded_units", ())
+    if units:       # FSDP2: this rank's shards (the full parameters are gathered in the step, played there)
+        resident["parameter shards"] = sum(unit.shard_bytes for unit in units)
+        resident["gradient shards"] = sum(unit.held_gradient_bytes() for unit in units)
     other = device_bytes_outside(step_state(gm, args, kwargs))
     if other:       # CUDA only: workspaces, optimizer state, other tensors, the allocator's slack
         resident["other on device"] = other

@@ -1,11 +1,15 @@
 """Measured training steps for the tests: real tensors, live-storage tracker, gradients collected."""
 from __future__ import annotations
 
+import contextlib
+import weakref
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
-from autorecompute.runtime.memory import LiveStorageTracker, output_tensors_for_backward, tensor_bytes
+from autorecompute.runtime.memory import (LiveStorageTracker, active_trackers, output_tensors_for_backward,
+                                          tensor_bytes)
 
 
 @dataclass
@@ -45,3 +49,25 @@ def assert_bitwise_equal(a: StepResult, b: StepResult) -> None:
     assert a.grads.keys() == b.grads.keys()
     for name in a.grads:
         assert torch.equal(a.grads[name], b.grads[name]), f"gradient of {name} differs"
+
+
+@contextlib.contextmanager
+def rng_states_counted() -> Iterator[None]:
+    """Inside the block each ``torch.get_rng_state()`` (what ``torch.utils.checkpoint`` keeps for a region with
+    dropout, made where no tracker sees it) counts in the active trackers while it lives: how a model's own
+    checkpoints are measured beside a plan's regions, whose runtime counts theirs."""
+    original = torch.get_rng_state
+
+    def counted():
+        state = original()
+        trackers, nbytes = active_trackers(), state.untyped_storage().nbytes()
+        for tracker in trackers:
+            tracker.hold(nbytes)
+        weakref.finalize(state, lambda: [tracker.hold(-nbytes) for tracker in trackers])
+        return state
+
+    torch.get_rng_state = counted
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original

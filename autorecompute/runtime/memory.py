@@ -75,6 +75,13 @@ class LiveStorageTracker(TorchDispatchMode):
         peak, self._window_peak = self._window_peak, self.current
         return peak
 
+    def hold(self, nbytes: int) -> None:
+        """Counts ``nbytes`` more (fewer, when negative) that no storage of the step stands for: what FSDP2's
+        collectives allocate on a rank while a fake step plays them (:mod:`autorecompute.runtime.sharded`)."""
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        self._window_peak = max(self._window_peak, self.current)
+
     def _free(self, key: int) -> None:
         nbytes = self._live.pop(key, None)
         if nbytes is not None:
@@ -119,6 +126,13 @@ class LiveStorageTracker(TorchDispatchMode):
         return out
 
 
+def active_trackers() -> list[LiveStorageTracker]:
+    """The live-storage trackers measuring what runs now (on the dispatch-mode stack)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, LiveStorageTracker)]
+
+
 def tensor_bytes(values: Iterable[Any]) -> int:
     """Bytes of the distinct storages behind the tensors in ``values`` (pytrees allowed)."""
     flat, _ = tree_flatten(list(values))
@@ -129,9 +143,13 @@ def tensor_bytes(values: Iterable[Any]) -> int:
 
 
 def module_state(module: torch.nn.Module) -> list[torch.Tensor]:
-    """What a module holds before a step: its parameters, buffers and existing gradients."""
+    """What a module holds before a step: its parameters, buffers and existing gradients (for a captured
+    ``fully_shard``-ed model, FSDP2's shards of them: placeholders stand among its parameters)."""
     params = list(module.parameters())
-    return [*params, *module.buffers(), *[p.grad for p in params if p.grad is not None]]
+    units = {id(u): u for m in module.modules() if isinstance(m, torch.fx.GraphModule)
+             for u in m.meta.get("sharded_units", ())}
+    shards = [t for unit in units.values() for t in unit.held_shards()]
+    return [*params, *module.buffers(), *[p.grad for p in params if p.grad is not None], *shards]
 
 
 def step_state(module: torch.nn.Module, args: tuple, kwargs: dict) -> list:

@@ -6,8 +6,13 @@ recomputed tensors are handed to autograd one by one.
 """
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from autorecompute.runtime.memory import active_trackers
 
 # the state-updating op a recomputation runs again through ``batch_norm_once``, and the positions of the state
 # it updates among its arguments (running_mean, running_var: read off the schema)
@@ -43,15 +48,16 @@ class CheckpointRegion(torch.nn.Module):
             # backward, running state updates once (functionalized); the call counter below would break the graph
             return checkpoint(self.body, False, *inputs, use_reentrant=False,
                               preserve_rng_state=self.preserve_rng_state)
-        calls = 0
+        calls, count = 0, len(inputs)
 
         def run(*args):
             nonlocal calls
             recomputing = calls > 0
             calls += 1
-            return self.body(recomputing, *args)
+            return self.body(recomputing, *args[:count])
 
-        return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=self.preserve_rng_state)
+        return checkpoint(run, *inputs, *rng_state_stand_in(self.preserve_rng_state, inputs), use_reentrant=False,
+                          preserve_rng_state=self.preserve_rng_state)
 
 
 class RemakingRegion(torch.nn.Module):
@@ -91,11 +97,13 @@ class RemakingRegion(torch.nn.Module):
         count, calls = len(own), 0
         del inputs, own       # the closure below must not hold the remade inputs after forward
 
+        stand_in = rng_state_stand_in(self.preserve_rng_state, (*before, *kept))
+
         def run(*args):
             nonlocal calls, made_in_forward
             recomputing = calls > 0
             calls += 1
-            before_args, rest = args[:self.num_before], args[self.num_before:]
+            before_args, rest = args[:self.num_before], args[self.num_before:len(args) - len(stand_in)]
             if recomputing:
                 with torch.no_grad():
                     # forward, not __call__: module hooks (FlopCounterMode's ModuleTracker) would register grad
@@ -109,7 +117,37 @@ class RemakingRegion(torch.nn.Module):
             return self.body(recomputing, *(next(made_values) if i in self.remade else next(other_values)
                                             for i in range(count)))
 
-        return checkpoint(run, *before, *kept, use_reentrant=False, preserve_rng_state=self.preserve_rng_state)
+        return checkpoint(run, *before, *kept, *stand_in, use_reentrant=False,
+                          preserve_rng_state=self.preserve_rng_state)
+
+
+def rng_state_stand_in(preserving: bool, inputs: tuple) -> tuple:
+    """For a region with random ops on the CPU, a stand-in for the CPU RNG state its checkpoint keeps from
+    forward to recomputation (``torch.get_rng_state()``, 5 KB, made where no tracker sees it), handed to
+    checkpoint beside the inputs so that it lives as long: counted in every live-storage tracker measuring the
+    step while it lives. None for a CUDA step (that state is host memory, outside the budget)."""
+    if not preserving or not any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in inputs):
+        return ()
+    return (_HeldRngState(),)
+
+
+class _HeldRngState:
+    def __init__(self):
+        trackers, nbytes = active_trackers(), _cpu_rng_state_bytes()
+        for tracker in trackers:
+            tracker.hold(nbytes)
+        weakref.finalize(self, _release, trackers, nbytes)
+
+
+def _release(trackers: list, nbytes: int) -> None:
+    for tracker in trackers:
+        tracker.hold(-nbytes)
+
+
+@functools.cache
+def _cpu_rng_state_bytes() -> int:
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        return torch.get_rng_state().numel()
 
 
 def batch_norm_once(recomputing: bool, input, weight, bias, running_mean, running_var, training: bool,
