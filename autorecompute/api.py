@@ -419,6 +419,7 @@ class CompiledModule(torch.nn.Module):
                 self._states.pop(stale, None)
             signature = step_signature(self._model, args, kwargs, inputs)
             log.info("planning %s for %s", plan_name(self._model), signature)
+            self._warn_if_sharded_around()
             with torch.random.fork_rng(devices=[]):   # planning must not move the user's RNG stream
                 planned = make_plan(self._model, args, kwargs, self._budget, self._options_for(inputs, engine),
                                     signature)
@@ -458,6 +459,18 @@ class CompiledModule(torch.nn.Module):
                 f"captured and solved again, seconds of planning, and its plan is kept; {cause}.",
                 ReplanningWarning, stacklevel=user_stacklevel())
         return planned
+
+    def _warn_if_sharded_around(self) -> None:
+        """Once: FSDP2 shards this compiled module from outside (``fully_shard(autorecompute.compile(m))``),
+        so its plan sees the parameters gathered and this module's step alone, not what the rank holds."""
+        if is_sharded(self) and not is_sharded(self._model) and not self.__dict__.get("_told_sharded"):
+            self.__dict__["_told_sharded"] = True
+            warnings.warn(
+                f"fully_shard wraps autorecompute.compile({plan_name(self._model)}): the plan counts its "
+                "parameters gathered and plans this module's step alone, so its budget is not the rank's memory. "
+                "Fix: shard the model first and compile it after (fully_shard each block, then the root, then "
+                "autorecompute.compile(model, budget=per-rank bytes)): the plan is then for what one rank holds.",
+                UserWarning, stacklevel=user_stacklevel())
 
     def _device_grew(self, planned: Planned, args: tuple, kwargs: dict) -> bool:
         """Whether more is allocated on the CUDA device than when ``planned`` was made (optimizer state

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -48,9 +49,16 @@ def plan_key(gm: torch.fx.GraphModule, signature: str, budget, options: dict, de
     """The key of the plan for a captured graph, step signature, budget and search options."""
     state = [(name, tuple(t.shape), str(t.dtype), bool(t.requires_grad))
              for name, t in [*gm.named_parameters(), *gm.named_buffers()]]
-    what = {"autorecompute": __version__, "torch": torch.__version__, "graph": gm.code, "state": state,
-            "signature": signature, "budget": repr(budget), "options": options, "device": device}
+    # (one device's index or another's: ranks of one job, each on its own GPU, share plans)
+    what = {"autorecompute": __version__, "torch": torch.__version__, "graph": _without_device_index(gm.code),
+            "state": state, "signature": _without_device_index(signature), "budget": repr(budget),
+            "options": options, "device": device}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+def _without_device_index(text: str) -> str:
+    """``cuda:1`` → ``cuda``, ``device(type='cuda', index=1)`` → ``device(type='cuda')``."""
+    return re.sub(r", index=\d+\)", ")", re.sub(r"\b(cuda|xpu|hpu|mps|mtia):\d+", r"\1", text))
 
 
 def load(key: str) -> Plan | None:

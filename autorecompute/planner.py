@@ -229,7 +229,7 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
     profile = profile_step(gm, args, kwargs, options.loss_reserve, options.outputs == "kept")
     key = _plan_key(gm, signature, budget, options, entered, _device_type(args, kwargs),
                     checkpoints_itself(model, gm))
-    share = RankShare(key)
+    share = RankShare(key, dict(profile.resident))
     cached = (plan_cache.load(key) if key else None) or share.plan_of_another_rank()
     if cached is not None and cached.resident == dict(profile.resident) \
             and cached.loss_reserve == profile.loss_reserve and cached.outputs == options.outputs:
@@ -240,13 +240,13 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
         log.info("plan for %s loaded from the plan cache (%s) or another rank", signature, plan_cache.cache_dir())
         return Planned(plan=cached, module=apply_plan(gm, cached.rewrite, runtime,
                                                       bind_calls=cached.engine == "eager"))
+    planned = None
     try:
         planned = _solve(model, gm, profile, args, kwargs, budget, options, signature, entered, (started, profiled),
                          key)
-    except BaseException:
-        share.publish(None)     # the other ranks plan themselves (and meet the same error)
-        raise
-    share.publish(planned.plan)
+    finally:
+        # (none: the other ranks plan themselves, and meet the same error)
+        share.publish(planned.plan if planned is not None else None)
     return planned
 
 
@@ -391,7 +391,8 @@ def _plan_key(gm: torch.fx.GraphModule, signature: str, budget, options: Planner
     replaced (tests'), whose plans are neither cached nor shared."""
     if options.strategies != Strategies():
         return None
-    searched = {"actions": options.actions, "solver_time_limit": options.solver_time_limit, "seed": options.seed,
+    searched = {"sharded": [unit.key() for unit in gm.meta.get("sharded_units", ())],
+                "actions": options.actions, "solver_time_limit": options.solver_time_limit, "seed": options.seed,
                 "compress_dtypes": options.compress_dtypes, "objective": options.objective,
                 "loss_reserve": options.loss_reserve, "outputs": options.outputs, "transfer": repr(options.transfer),
                 "autocast": repr(autocast), "distributed": distributed(), "engine": options.engine,
@@ -453,8 +454,8 @@ def _fraction_base(model: torch.nn.Module, gm: torch.fx.GraphModule, args: tuple
     """What a fractional budget is a fraction of: the unoptimized step's peak, or, for a model that checkpoints
     itself, the peak of its own step with its checkpoints where that is lower (measured on fake tensors), so
     that compiling it never asks for more than the step it had at the same fraction."""
-    if not isinstance(parsed, float) or not checkpoints_itself(model, gm):
-        return unoptimized
+    if not isinstance(parsed, float) or not checkpoints_itself(model, gm) or gm.meta.get("sharded_units"):
+        return unoptimized      # (a sharded model's own step is FSDP2's, which only its captured graph plays)
     own = fake_step_memory(model, args, kwargs, reserve, keep_outputs).peak
     log.info("%s checkpoints itself: its own step peaks at %s (unoptimized %s); budget=%s is a fraction of the "
              "lower", type(model).__name__, format_bytes(own), format_bytes(unoptimized), parsed)

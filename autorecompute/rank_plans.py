@@ -10,6 +10,7 @@ different step. The store is not a collective: no rank that plans nothing takes 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 
 import torch
@@ -30,9 +31,12 @@ class RankShare:
         >>> share.publish(None)                     # (nothing to tell)
     """
 
-    def __init__(self, key: str | None):
+    def __init__(self, key: str | None, resident: dict | None = None):
+        """``resident``: what the rank holds besides the step (a plan is applied only where it is the same, so
+        ranks that differ there — other tensors on their devices — plan on their own instead of waiting)."""
         self.store = _store() if key else None
-        self.prefix = f"autorecompute/plan/{key}"
+        held = hashlib.sha256(repr(sorted((resident or {}).items())).encode()).hexdigest()[:16]
+        self.prefix = f"autorecompute/plan/{key}/{held}"
         self.owner = False
 
     def plan_of_another_rank(self) -> Plan | None:
@@ -43,9 +47,13 @@ class RankShare:
             self.owner = True
             return None
         log.info("waiting for the plan another rank makes for this step")
-        self.store.wait([f"{self.prefix}/plan"], WAIT)
-        text = self.store.get(f"{self.prefix}/plan").decode()
-        return Plan.from_json(text) if text else None
+        try:
+            self.store.wait([f"{self.prefix}/plan"], WAIT)
+            text = self.store.get(f"{self.prefix}/plan").decode()
+            return Plan.from_json(text) if text else None
+        except (RuntimeError, ValueError) as error:     # (the store's time-out; a plan that does not read)
+            log.info("no plan from the rank that planned this step (%s): planning it here", error)
+            return None
 
     def publish(self, plan: Plan | None) -> None:
         """The first rank's plan (None: it made none) for the ranks waiting on this key."""

@@ -49,12 +49,22 @@ def sharded_units(model: torch.nn.Module) -> list[ShardedUnit]:
     found = [(path, m) for path, m in model.named_modules() if isinstance(m, module_type)]
     if not found:
         return []
+    outside = [path for path, _ in found[1:] if not _contains(found[0][0], path)]
+    if outside:
+        raise CaptureError(
+            f"the fully_shard-ed {outside[0]} is not inside a sharded root module: FSDP2 then makes each such "
+            "module a root of its own, which autorecompute does not plan. Fix: fully_shard the model itself too, "
+            "after its blocks (as FSDP2's documentation does), then compile it")
     found[0][1]._get_fsdp_state()._lazy_init()
     units = [_unit(path, module) for path, module in found]
-    comm = SharedComm(first=units[0])
+    comm = SharedComm(first=units[0], units=units)
     for unit in units:
         unit.comm = comm
     return units
+
+
+def _contains(outer: str, inner: str) -> bool:
+    return not outer or inner == outer or inner.startswith(outer + ".")
 
 
 def _unit(path: str, module: torch.nn.Module) -> ShardedUnit:
@@ -67,8 +77,10 @@ def _unit(path: str, module: torch.nn.Module) -> ShardedUnit:
     shard = sum(p._sharded_param_data.untyped_storage().nbytes() for p in params)
     reshards = group is not None and group.post_forward_mesh_info is not None
     gloo = group is not None and torch.distributed.get_backend(group.mesh_info.shard_process_group) == "gloo"
-    return ShardedUnit(module=module, path=path, gathered_bytes=gathered, shard_bytes=shard,
+    unit = ShardedUnit(module=module, path=path, gathered_bytes=gathered, shard_bytes=shard,
                        reshards_after_forward=reshards, scatter_scratch_bytes=gathered if gloo else 0)
+    unit.accumulates = unit.held_gradient_bytes() > 0
+    return unit
 
 
 def _run_dtype(fsdp_param) -> torch.dtype:
@@ -77,13 +89,25 @@ def _run_dtype(fsdp_param) -> torch.dtype:
 
 def _refuse_unsupported(path: str, state, group) -> None:
     name = path or "the root module"
-    fix = ("Fix: shard with fully_shard(module) over a 1-D mesh without mp_policy / offload_policy, or plan "
-           "the model before sharding and shard the compiled module (fully_shard(autorecompute.compile(...))).")
-    if len(state._modules) > 1:
-        raise CaptureError(f"{name} is sharded as a group of modules (fully_shard([...])), which autorecompute "
+    fix = ("Fix: shard with fully_shard(module) over a 1-D mesh, FSDP2's defaults otherwise, or plan the model "
+           "before sharding and shard the compiled module (fully_shard(autorecompute.compile(...))).")
+    if len(state._modules) > 1 or len(state._fsdp_param_groups) > 1:
+        raise CaptureError(f"{name} is sharded as a group of modules or of parameter groups, which autorecompute "
                            f"does not plan yet. {fix}")
+    if state._states_to_forward_prefetch or state._states_to_backward_prefetch:
+        raise CaptureError(f"{name} has explicit prefetches (set_modules_to_forward/backward_prefetch), which "
+                           f"autorecompute does not plan yet. {fix}")
     if group is None:
         return
+    settings = {"set_requires_gradient_sync(False)": not group.reduce_grads,
+                "set_reshard_after_backward(False)": not group.reshard_after_backward,
+                "reshard_after_forward=<int>": group._use_post_forward_mesh,
+                "set_reduce_scatter_max_input_buffers(>1)":
+                    getattr(group, "reduce_scatter_max_input_buffers", 1) != 1}
+    unplanned = [setting for setting, on in settings.items() if on]
+    if unplanned:
+        raise CaptureError(f"{name} is sharded with {unplanned[0]}, whose memory autorecompute does not plan "
+                           f"yet. {fix}")
     policy = group.mp_policy
     if policy.param_dtype is not None or policy.reduce_dtype is not None or policy.output_dtype is not None:
         raise CaptureError(f"{name} is sharded with a MixedPrecisionPolicy, which autorecompute does not plan "
@@ -169,7 +193,8 @@ def _spans(gm: torch.fx.GraphModule, units: list[ShardedUnit]) -> dict[ShardedUn
         if not positions:
             continue
         span = nodes[positions[0]:positions[-1] + 1]
-        strays = [n for n in span if n in owner and not _within(owner[n], unit)]
+        # (an op of an enclosing unit among them is served: that unit is gathered while this one runs)
+        strays = [n for n in span if n in owner and not _within(owner[n], unit) and not _within(unit, owner[n])]
         if strays:
             raise CaptureError(
                 f"the ops of the fully_shard-ed {unit.path or 'root module'} are not one run: "
@@ -191,10 +216,19 @@ def _is_tensor(node: torch.fx.Node) -> bool:
 def _bracket_entry(gm: torch.fx.GraphModule, unit: ShardedUnit, spans: dict, placeholders: dict) -> None:
     graph, span = gm.graph, spans[unit]
     ordered = [n for n in graph.nodes if n in span]
+    # (an enclosing unit's parameters are not the module's inputs: FSDP2 passes only its arguments)
     inputs = list(dict.fromkeys(a for n in ordered for a in n.all_input_nodes
-                                if a not in span and a.op != "get_attr" and _is_tensor(a)))
+                                if a not in span and a.op != "get_attr" and not is_sharded_call(a) and _is_tensor(a)))
     attributes = [n for n in graph.find_nodes(op="get_attr")
                   if placeholders.get(id(_attribute(gm, n.target)), (None,))[0] is unit]
+    for attribute in attributes:
+        stray = next((user for user in attribute.users if user not in span), None)
+        if stray is not None:
+            raise CaptureError(
+                f"{stray.name} reads {attribute.target}, a parameter of the fully_shard-ed "
+                f"{unit.path or 'root module'}, outside that module's forward, where FSDP2 has not gathered it. "
+                "Fix: share parameters only within one sharded module (or with the root), or plan the model "
+                "before sharding it")
     with graph.inserting_before(ordered[0]):
         enter = graph.call_function(unit.enter, tuple(inputs))
         enter.meta["val"] = tuple(a.meta["val"] for a in inputs)

@@ -89,7 +89,8 @@ def test_a_sharded_gpt2_trains_as_fsdp2_within_the_ranks_budget(tmp_path, blocks
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    mp.start_processes(_spawned, args=(str(tmp_path / "store"), outs, blocks, SOLVER_TIME), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_spawned, args=(str(tmp_path / "store"), outs, blocks, SOLVER_TIME), nprocs=WORLD,
+                       start_method="spawn")
     results = [torch.load(out, weights_only=False) for out in outs]
     for rank, result in enumerate(results):
         (plain_losses, plain_grads, _), (losses, grads, peaks) = result["plain"], result["ours"]
@@ -140,3 +141,45 @@ def test_each_sharded_module_is_bracketed_by_fsdp2s_calls():
     relu = next(n for n in gm.graph.nodes if n.op == "call_function" and "relu" in str(n.target))
     assert enter.args == (relu,)
     assert gm.meta["sharded_units"] == [root, inner]
+
+
+def test_sharding_a_compiled_module_warns_that_its_budget_is_not_the_ranks(tmp_path):
+    """``fully_shard(autorecompute.compile(model))`` runs (FSDP2 gathers around the plan's step) but its plan
+    sees the parameters gathered and that module alone: said once, with the order that plans per rank."""
+    import autorecompute
+    from torch.distributed.fsdp import fully_shard
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    case = models.make("gpt")
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        compiled = fully_shard(autorecompute.compile(case.model, budget=0.6, solver_time_limit=1.0))
+        with pytest.warns(UserWarning, match="shard the model first and compile it after"):
+            compiled(*case.args).sum().backward()      # (FSDP2 gathers the parameters around the call)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_shardings_whose_memory_is_not_planned_are_refused(tmp_path):
+    """Blocks sharded without the root (each becomes a root of its own) and FSDP2 settings the plan does not
+    play (here: gathered parameters kept after backward) are a CaptureError naming the cause and the fix,
+    not a plan that counts another step's memory."""
+    import autorecompute
+    from torch.distributed.fsdp import fully_shard
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        case = models.make("gpt2")
+        for block in case.model.transformer.h:
+            fully_shard(block)
+        with pytest.raises(autorecompute.CaptureError, match="not inside a sharded root module.*fully_shard the model"):
+            autorecompute.plan(case.model, *case.args, budget=0.6)
+        fully_shard(case.model)
+        case.model.set_reshard_after_backward(False)
+        with pytest.raises(autorecompute.CaptureError, match=r"set_reshard_after_backward\(False\)"):
+            autorecompute.plan(case.model, *case.args, budget=0.6)
+    finally:
+        torch.distributed.destroy_process_group()

@@ -17,18 +17,30 @@ from functools import partial
 
 import torch
 
-from autorecompute.runtime.memory import active_trackers, is_fake
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from autorecompute.runtime.memory import active_trackers, tensor_bytes
 
 
 @dataclass
 class SharedComm:
     """FSDP2's communication state shared by a model's units, as a fake step plays it."""
 
+    units: list = field(default_factory=list)     # every unit of the model
     pending: int = 0        # bytes of the last forward all-gather's flat output, freed by the next one
     order: list = field(default_factory=list)     # the units' forwards in the order they ended
     retained: int = 0       # bytes of the last reduce-scatter's flat input, freed by the next one
     final_queued: bool = False
     first: object = None    # the unit whose forward starts the step (the outermost)
+
+    def reset(self) -> None:
+        """A new fake step: nothing gathered, held or queued (a step before may have ended without backward)."""
+        self.pending = self.retained = 0
+        self.final_queued = False
+        self.order.clear()
+        for unit in self.units:
+            unit._simulated = None
 
 
 @dataclass(eq=False)
@@ -43,6 +55,8 @@ class ShardedUnit:
         reshards_after_forward: whether FSDP2 frees the gathered parameters between forward and backward.
         scatter_scratch_bytes: what the process group's all-gather and reduce-scatter allocate besides their
             input and output (gloo: a copy of the gathered bytes).
+        accumulates: whether this rank holds gradient shards before the step (gradient accumulation): the
+            reduce-scatter adds into them.
         comm: what the model's units share: the flat output of the last all-gather in forward, still held.
     """
 
@@ -52,6 +66,7 @@ class ShardedUnit:
     shard_bytes: int
     reshards_after_forward: bool
     scatter_scratch_bytes: int = 0
+    accumulates: bool = False
     comm: "SharedComm" = field(default_factory=lambda: SharedComm())
     _simulated: "_SimulatedUnit" = field(default=None, repr=False)
 
@@ -67,27 +82,34 @@ class ShardedUnit:
         group = self.state._fsdp_param_group
         return list(group.fsdp_params) if group is not None else []
 
+    def key(self) -> tuple:
+        """What the plan depends on besides the graph (part of the plan's key)."""
+        return (self.path, self.gathered_bytes, self.shard_bytes, self.reshards_after_forward,
+                self.scatter_scratch_bytes, self.accumulates)
+
     def __deepcopy__(self, memo: dict) -> "ShardedUnit":
         return self         # a copied graph runs on the same sharded module
 
     def enter(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Before the unit's first op: FSDP2's pre-forward (all-gather, post-backward function on the inputs
         that need gradients). Returns the inputs the unit's ops read."""
-        if _any_fake(inputs):
+        if _in_fake_step():
+            if self is self.comm.first:
+                self.comm.reset()
             return self.simulated().enter(inputs)
         args, _ = self.state._pre_forward(self.module, inputs, {})
         return tuple(args)
 
     def exit(self, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """After the unit's last op: FSDP2's post-forward (reshard, pre-backward hooks on the outputs)."""
-        if _any_fake(outputs):
+        if _in_fake_step():
             return self.simulated().exit(outputs)
         return tuple(self.state._post_forward(self.module, (), outputs))
 
     def parameter(self, index: int, placeholder: torch.Tensor) -> torch.Tensor:
         """The unit's ``index``-th parameter as its ops read it: FSDP2's all-gathered Parameter (the
         placeholder, storage-less or fake, stands for it where the step is played)."""
-        if is_fake(placeholder):
+        if _in_fake_step():
             self.simulated().parameters[index] = placeholder
             return placeholder
         return self.fsdp_params[index].unsharded_param
@@ -101,7 +123,7 @@ class ShardedUnit:
     def held_gradient_bytes(self) -> int:
         """Bytes of the gradient shards this rank holds now (from earlier backwards: accumulation)."""
         grads = [p.sharded_param.grad for p in self.fsdp_params if p.sharded_param.grad is not None]
-        return sum(g.to_local().untyped_storage().nbytes() for g in grads)
+        return tensor_bytes([g.to_local() for g in grads])     # (views of one flat buffer a unit)
 
     def simulated(self) -> "_SimulatedUnit":
         if self._simulated is None:
@@ -114,8 +136,9 @@ def is_sharded_call(node) -> bool:
     return getattr(node.target, "__func__", None) in _CALLS
 
 
-def _any_fake(tensors) -> bool:
-    return any(isinstance(t, torch.Tensor) and is_fake(t) for t in tensors)
+def _in_fake_step() -> bool:
+    """Whether a fake step runs (profiling, verifying): FSDP2's memory is played, no collective runs."""
+    return any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
 
 
 def _hold(nbytes: int) -> None:
@@ -216,7 +239,7 @@ class _SimulatedUnit:
         _hold(unit.gathered_bytes + unit.shard_bytes + unit.scatter_scratch_bytes)
         for p in self.parameters.values():
             p.grad = None
-        _hold(-unit.scatter_scratch_bytes)
+        _hold(-unit.scatter_scratch_bytes - (unit.shard_bytes if unit.accumulates else 0))   # (added into them)
         comm.retained = unit.gathered_bytes
         self.parameters.clear()
 
@@ -226,6 +249,9 @@ def _at_backward_end(comm: SharedComm) -> None:
     last reduce-scatter's input freed."""
     for simulated in reversed(comm.order):
         simulated.after_backward()
+        if simulated.prefetched:        # (prefetched for a backward that did not reach it: a frozen unit)
+            _hold(-simulated.unit.gathered_bytes)
+            simulated.prefetched = False
     _hold(-comm.retained)
     comm.retained = 0
     comm.final_queued = False
