@@ -387,6 +387,11 @@ class CompiledModule(torch.nn.Module):
 
     def prepare(self, *args, **kwargs) -> Plan:
         """Plans for these inputs now (as the first training call would) without running a step."""
+        if is_sharded(self) and not is_sharded(self._model):
+            raise EngineError(
+                "prepare() cannot plan a compiled module that fully_shard wraps: FSDP2 gathers its parameters only "
+                "around its forward. Fix: shard the model first and compile it after (the plan is then per rank), "
+                "or let the first call plan.")
         if isinstance(self._model, LossOfModel):
             _model_keywords(kwargs, self._model.loss_fn)       # the loss's target is there, or how to pass it
         self._check_first_step()

@@ -155,6 +155,8 @@ def test_sharding_a_compiled_module_warns_that_its_budget_is_not_the_ranks(tmp_p
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         compiled = fully_shard(autorecompute.compile(case.model, budget=0.6, solver_time_limit=1.0))
+        with pytest.raises(autorecompute.EngineError, match="shard the model first and compile it after"):
+            compiled.prepare(*case.args)
         with pytest.warns(UserWarning, match="shard the model first and compile it after"):
             compiled(*case.args).sum().backward()      # (FSDP2 gathers the parameters around the call)
     finally:
