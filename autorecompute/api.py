@@ -387,7 +387,7 @@ class CompiledModule(torch.nn.Module):
 
     def prepare(self, *args, **kwargs) -> Plan:
         """Plans for these inputs now (as the first training call would) without running a step."""
-        if is_sharded(self) and not is_sharded(self._model):
+        if self._sharded_around():
             raise EngineError(
                 "prepare() cannot plan a compiled module that fully_shard wraps: FSDP2 gathers its parameters only "
                 "around its forward. Fix: shard the model first and compile it after (the plan is then per rank), "
@@ -465,10 +465,14 @@ class CompiledModule(torch.nn.Module):
                 ReplanningWarning, stacklevel=user_stacklevel())
         return planned
 
+    def _sharded_around(self) -> bool:
+        """Whether FSDP2 shards this compiled module from outside, the model inside it unsharded."""
+        return is_sharded(self) and not is_sharded(self._model)
+
     def _warn_if_sharded_around(self) -> None:
         """Once: FSDP2 shards this compiled module from outside (``fully_shard(autorecompute.compile(m))``),
         so its plan sees the parameters gathered and this module's step alone, not what the rank holds."""
-        if is_sharded(self) and not is_sharded(self._model) and not self.__dict__.get("_told_sharded"):
+        if self._sharded_around() and not self.__dict__.get("_told_sharded"):
             self.__dict__["_told_sharded"] = True
             warnings.warn(
                 f"fully_shard wraps autorecompute.compile({plan_name(self._model)}): the plan counts its "

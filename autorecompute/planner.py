@@ -235,7 +235,6 @@ def _make_plan(model: torch.nn.Module, args: tuple, kwargs: dict, budget, option
             and cached.loss_reserve == profile.loss_reserve and cached.outputs == options.outputs:
         # (a step that holds more besides the plan — optimizer state made since, other tensors on the device —
         # is planned again)
-        share.publish(cached)
         runtime = StashRuntime(options.offload_dir) if cached.stash else None
         log.info("plan for %s loaded from the plan cache (%s) or another rank", signature, plan_cache.cache_dir())
         return Planned(plan=cached, module=apply_plan(gm, cached.rewrite, runtime,

@@ -4,10 +4,11 @@
 
 Each rank (2 processes over gloo) builds GPT-2 (vocabulary 50257, dropout on), shards each block and the root,
 and trains two steps (SGD between them) with plain FSDP2, then through ``autorecompute.compile(...,
-outputs="dropped")`` (the step is ``model(...).loss.backward()``) at fractions of the plain step's peak on the rank. Peak per rank: its parameter shards and inputs plus the most the step
-allocates beyond them (``allocated_peak``: the allocator's events). Per budget: the plan's prediction, both
-steps measured, losses and gradient shards against plain FSDP2's bit for bit, the plan time, and whether the
-second rank planned (it waits for the first rank's plan). Writes benchmarks/results/fsdp.json.
+outputs="dropped")`` (the step is ``model(...).loss.backward()``) at fractions of the plain step's peak on the
+rank. Peak per rank: its parameter shards and inputs plus the most the step allocates beyond them
+(``allocated_peak``: the allocator's events). Per budget: the plan's prediction, both steps measured, losses and
+gradient shards against plain FSDP2's bit for bit, the time each rank waited for its plan and the plan's own
+planning time (the same on both ranks: the second applies the first's). Writes benchmarks/results/fsdp.json.
 """
 from __future__ import annotations
 

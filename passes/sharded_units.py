@@ -172,7 +172,7 @@ def _depth(unit: ShardedUnit) -> int:
 
 
 def _within(inner: ShardedUnit, outer: ShardedUnit) -> bool:
-    return not outer.path or inner.path == outer.path or inner.path.startswith(outer.path + ".")
+    return _contains(outer.path, inner.path)
 
 
 def _spans(gm: torch.fx.GraphModule, units: list[ShardedUnit]) -> dict[ShardedUnit, set[torch.fx.Node]]:
@@ -184,7 +184,7 @@ def _spans(gm: torch.fx.GraphModule, units: list[ShardedUnit]) -> dict[ShardedUn
     for node in nodes:
         if node.op == "call_function" and node.meta.get("nn_module_stack"):
             path = module_path(node)
-            inside = [u for u in units if not u.path or path == u.path or path.startswith(u.path + ".")]
+            inside = [u for u in units if _contains(u.path, path)]
             if inside:
                 owner[node] = max(inside, key=_depth)
     spans = {}

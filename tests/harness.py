@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-from autorecompute.runtime.memory import (LiveStorageTracker, active_trackers, output_tensors_for_backward,
+from autorecompute.runtime.memory import (LiveStorageTracker, hold_while_alive, output_tensors_for_backward,
                                           tensor_bytes)
 
 
@@ -60,10 +59,7 @@ def rng_states_counted() -> Iterator[None]:
 
     def counted():
         state = original()
-        trackers, nbytes = active_trackers(), state.untyped_storage().nbytes()
-        for tracker in trackers:
-            tracker.hold(nbytes)
-        weakref.finalize(state, lambda: [tracker.hold(-nbytes) for tracker in trackers])
+        hold_while_alive(state, state.untyped_storage().nbytes())
         return state
 
     torch.get_rng_state = counted

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
 from autorecompute.runtime.allocations import allocated_peak  # noqa: F401 — measured steps' tool, here too
@@ -128,9 +128,21 @@ class LiveStorageTracker(TorchDispatchMode):
 
 def active_trackers() -> list[LiveStorageTracker]:
     """The live-storage trackers measuring what runs now (on the dispatch-mode stack)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     return [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, LiveStorageTracker)]
+
+
+def hold_while_alive(owner: object, nbytes: int) -> None:
+    """Counts ``nbytes`` in the active trackers until ``owner`` is collected: memory no op they see made
+    stands for (the CPU RNG state a checkpoint keeps, made by ``torch.get_rng_state()``)."""
+    trackers = active_trackers()
+    for tracker in trackers:
+        tracker.hold(nbytes)
+    weakref.finalize(owner, _release, trackers, nbytes)
+
+
+def _release(trackers: list, nbytes: int) -> None:
+    for tracker in trackers:
+        tracker.hold(-nbytes)
 
 
 def tensor_bytes(values: Iterable[Any]) -> int:

@@ -7,12 +7,11 @@ recomputed tensors are handed to autograd one by one.
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from autorecompute.runtime.memory import active_trackers
+from autorecompute.runtime.memory import hold_while_alive
 
 # the state-updating op a recomputation runs again through ``batch_norm_once``, and the positions of the state
 # it updates among its arguments (running_mean, running_var: read off the schema)
@@ -125,7 +124,7 @@ def rng_state_stand_in(preserving: bool, inputs: tuple) -> tuple:
     """For a region with random ops on the CPU, a stand-in for the CPU RNG state its checkpoint keeps from
     forward to recomputation (``torch.get_rng_state()``, 5 KB, made where no tracker sees it), handed to
     checkpoint beside the inputs so that it lives as long: counted in every live-storage tracker measuring the
-    step while it lives. None for a CUDA step (that state is host memory, outside the budget)."""
+    step while it lives. Nothing for a CUDA step (that state is host memory, outside the budget)."""
     if not preserving or not any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in inputs):
         return ()
     return (_HeldRngState(),)
@@ -133,15 +132,7 @@ def rng_state_stand_in(preserving: bool, inputs: tuple) -> tuple:
 
 class _HeldRngState:
     def __init__(self):
-        trackers, nbytes = active_trackers(), _cpu_rng_state_bytes()
-        for tracker in trackers:
-            tracker.hold(nbytes)
-        weakref.finalize(self, _release, trackers, nbytes)
-
-
-def _release(trackers: list, nbytes: int) -> None:
-    for tracker in trackers:
-        tracker.hold(-nbytes)
+        hold_while_alive(self, _cpu_rng_state_bytes())
 
 
 @functools.cache

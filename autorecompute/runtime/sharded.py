@@ -70,7 +70,7 @@ class ShardedUnit:
     comm: "SharedComm" = field(default_factory=lambda: SharedComm())
     _simulated: "_SimulatedUnit" = field(default=None, repr=False)
 
-    def __repr__(self) -> str:      # graph code and plan-cache keys print it
+    def __repr__(self) -> str:      # printed graphs show it
         return f"ShardedUnit({self.path or '<root>'})"
 
     @property
@@ -191,9 +191,6 @@ class _SimulatedUnit:
             self.gathered = False
 
     def enter(self, inputs: tuple) -> tuple:
-        comm = self.unit.comm
-        if self.unit is comm.first:
-            comm.order.clear()
         self._gather(forward=True)
         needing = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not needing:     # (the root's token ids): reduce-scatters when backward ends
@@ -223,8 +220,9 @@ class _SimulatedUnit:
             comm.final_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(partial(_at_backward_end, comm))
         self._gather(forward=False)
-        if self in comm.order and comm.order.index(self) > 0:
-            comm.order[comm.order.index(self) - 1]._prefetch()
+        position = comm.order.index(self) if self in comm.order else 0
+        if position > 0:
+            comm.order[position - 1]._prefetch()
         return grad
 
     def after_backward(self) -> None:
