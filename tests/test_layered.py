@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
 import autorecompute
 import models
-from autorecompute.memory_model import extra_cost, predicted_peak
+from autorecompute.decisions import Op
+from autorecompute.memory_model import TimelineChanges, extra_cost, memory_timeline, predicted_peak
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import profile_step
 from autorecompute.search import Strategies
 from autorecompute.solvers import layered
+from autorecompute.solvers.segment_plans import per_block_plan
 from harness import assert_bitwise_equal, measured_step
 
 
@@ -104,3 +107,45 @@ def test_the_minimum_planned_by_layers_is_a_budget_that_plans():
     assert plan.predicted_peak <= low < plan.baseline_peak
     compiled = autorecompute.compile(model, budget=low, actions=("recompute",), loss_reserve=0)
     assert measured_step(compiled, model, (x,), {}).peak <= low
+
+
+def test_the_layers_minimum_splits_blocks_into_regions_below_per_layer_checkpointing():
+    """Llama's layers, each one region (per-layer checkpointing, the embeddings and tables made again too),
+    hold a whole layer's tensors again at its backward; the layers' menu also splits a block into regions one
+    after another, measured on every base plan (what a block saves depends on whether the ops before the stack
+    are made again), so its minimum is lower, and some blocks of it are recomputed as two regions or more."""
+    problem = _problem(models.llama(layers=6))
+    stack = layered.find_stack(problem)
+    in_blocks = {op for block in stack.blocks for op in block}
+    per_layer = {**per_block_plan(problem), **{op: True for op in problem.recomputable if op not in in_blocks}}
+    recompute, stash = layered.planner_of(problem).lowest()
+    assert predicted_peak(problem, recompute, stash) <= 0.9 * predicted_peak(problem, per_layer)
+
+    def regions(block) -> int:
+        return sum(1 for k, op in enumerate(block) if recompute.get(op) and
+                   (k == 0 or not recompute.get(block[k - 1]) or Op.of(recompute[op]).starts_region))
+    assert max(regions(block) for block in stack.blocks) >= 2
+
+
+@pytest.mark.parametrize("case", [lambda: models.llama(layers=4, batch=2, sequence=32),
+                                  lambda: models.Case("mlp", models.MLP(layers=5, d=32), (torch.randn(64, 32),))],
+                         ids=["llama", "mlp"])
+def test_a_menu_entry_changes_the_timeline_as_the_whole_memory_model_says(case):
+    """The menu is priced by :class:`TimelineChanges` from the activations a change touches; on every base
+    plan (outside ops kept or made again, tensors stashed), every entry's change and extra cost equal the
+    whole memory model's difference."""
+    torch.manual_seed(0)
+    problem = _problem(case())
+    planner = layered.planner_of(problem)
+    stack = planner.stack
+    segments = layered.menu(problem, stack, planner.plans)
+    assert any(problem.stash_options.values())
+    for base in planner.bases:
+        changes = TimelineChanges(problem, base.plan)
+        for segment in segments + [entry.segment for entry in base.entries]:
+            first = layered._measured_at(stack, len(segment))
+            plan = layered._with_blocks(problem, stack, base.plan, dict(enumerate(segment, start=first)))
+            delta, cost = changes.change(plan)
+            whole = np.asarray(memory_timeline(problem, *plan)) - np.asarray(memory_timeline(problem, *base.plan))
+            assert delta.tolist() == whole.tolist()
+            assert cost == extra_cost(problem, *plan) - extra_cost(problem, *base.plan)

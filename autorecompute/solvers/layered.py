@@ -8,13 +8,16 @@ as Rockmate and torchtitan's auto_perf_maxing do). So:
 1. **The stack** (:func:`find_stack`): the most numerous blocks of ``problem.blocks`` that are alike (the same
    ops at the same costs) and run one after another (forward in order, backward in reverse).
 2. **The menu** (:func:`menu`): block decisions (:class:`Template`) — keep-all, the block as one region,
-   one region over each stretch of it (the MLP alone, all but the output...), its ops cheapest per byte
+   one region over each stretch of it (the MLP alone, all but the output...), the block as two or three
+   regions one after another (its backward then holds one part's tensors at a time), its ops cheapest per byte
    recomputed wherever they are, what it holds stashed, every block's decisions in the plans given — and runs
    of blocks recomputed as one region (√N's segments).
-3. **Each entry measured** once on the middle blocks in the memory model (:func:`measure`): what it saves
+3. **Each entry measured** on the middle blocks in the memory model (:func:`measure`): what it saves
    while the blocks wait for their backward, the memory at their own forward and backward positions, its
    cost. Dominated entries go; what is left of single blocks is tried again with its held tensors stashed,
-   the cheapest per byte first.
+   the cheapest per byte first. What a block saves depends on the plan outside the stack (a first region
+   that begins with the embeddings', tables every layer reads held or made again), so what is left is
+   measured again on each base plan.
 4. **One entry per block** by dynamic programming over the blocks in forward order (:func:`choose`), the
    state being the bytes saved by the blocks before: the backward of block ``j`` happens while blocks
    ``0..j-1`` hold what they keep, so a block's peak is its own positions' memory less those savings.
@@ -33,7 +36,8 @@ from typing import Mapping
 import numpy as np
 
 from autorecompute.decisions import Op
-from autorecompute.memory_model import effective_stash, extra_cost, memory_timeline, predicted_peak
+from autorecompute.memory_model import (TimelineChanges, effective_stash, extra_cost, memory_timeline,
+                                         predicted_peak)
 from autorecompute.problem import Problem
 from autorecompute.solvers.greedy import lowest_start as greedy_lowest_start, stash_all
 from autorecompute.solvers.segment_plans import per_block_plan
@@ -280,20 +284,36 @@ def _regions(problem: Problem, block: tuple[str, ...]) -> list[Template]:
         for b in range(a + step, len(block) + step, step):
             templates.append(Template(tuple((Op.NEW_REGION if k == a else Op.RECOMPUTE) if a <= k < b and r else Op.KEEP
                                             for k, r in enumerate(recomputable))))
+    return templates + _splits(problem, block)
+
+
+def _splits(problem: Problem, block: tuple[str, ...]) -> list[Template]:
+    """The whole block recomputed as two or three regions one after another, cut at grid points: backward
+    then holds one part's tensors at a time (the MLP's, then the attention's) where one region holds all."""
+    recomputable = [op in problem.recomputable for op in block]
+    first = recomputable.index(True) if any(recomputable) else 0
+    step = max(1, math.ceil(len(block) / REGION_GRID))
+    cuts = sorted({next((k for k in range(c, len(block)) if recomputable[k]), first)
+                   for c in range(step, len(block), step)} - {first})
+    coarse = cuts[1::2]
+    templates = []
+    for chosen in [(c,) for c in cuts] + [(c, d) for c in coarse for d in coarse if c < d]:
+        starts = {first, *chosen}
+        templates.append(Template(tuple((Op.NEW_REGION if k in starts else Op.RECOMPUTE) if r else Op.KEEP
+                                        for k, r in enumerate(recomputable))))
     return templates
 
 
-def measure(problem: Problem, stack: Stack, base: SearchPlan, base_timeline: np.ndarray, base_cost: int,
-            segment: Segment) -> Measured:
-    """``segment`` on the middle blocks of ``base`` (whose blocks keep everything), against ``base``."""
+def measure(problem: Problem, stack: Stack, changes: TimelineChanges, segment: Segment) -> Measured:
+    """``segment`` on the middle blocks of ``changes.base`` (whose blocks keep everything), against it."""
     first = _measured_at(stack, len(segment))
-    plan = _with_blocks(problem, stack, base, {first + k: template for k, template in enumerate(segment)})
-    delta = np.asarray(memory_timeline(problem, *plan), dtype=np.int64) - base_timeline
+    plan = _with_blocks(problem, stack, changes.base, {first + k: template for k, template in enumerate(segment)})
+    delta, cost = changes.change(plan)
     (fa, fb), (ba, bb) = _own_spans(stack, first, len(segment))
     waiting = delta[fb + 1:ba]
     return Measured(segment, saving=-int(waiting.max()) if len(waiting) else 0,
                     forward_delta=tuple(delta[fa:fb + 1].tolist()), backward_delta=tuple(delta[ba:bb + 1].tolist()),
-                    cost=extra_cost(problem, *plan) - base_cost)
+                    cost=cost)
 
 
 def _own_spans(stack: Stack, first: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -411,17 +431,32 @@ class _Base:
     outside: np.ndarray
 
     @classmethod
-    def of(cls, problem: Problem, stack: Stack, plan: SearchPlan, timeline: np.ndarray,
-           entries: list[Measured]) -> "_Base":
-        return cls(plan, timeline, entries, [_own_peaks(stack, timeline, e) for e in entries],
-                   _outside_peaks(problem, stack, timeline))
+    def measured(cls, problem: Problem, stack: Stack, plan: SearchPlan, segments: list[Segment],
+                 stash_variants: bool = False) -> "_Base":
+        """``segments`` measured on ``plan``, those another beats dropped (:func:`_undominated`); with
+        ``stash_variants``, what is left of one block is tried again with its held tensors stashed."""
+        timeline = np.asarray(memory_timeline(problem, *plan), dtype=np.int64)
+        changes = TimelineChanges(problem, plan)
+
+        def undominated(segments: list[Segment]) -> tuple[list[Measured], list[np.ndarray]]:
+            entries = [measure(problem, stack, changes, segment) for segment in segments]
+            own = [_own_peaks(stack, timeline, e) for e in entries]
+            kept = _undominated(entries, own)
+            return [entries[i] for i in kept], [own[i] for i in kept]
+
+        entries, own = undominated(segments)
+        if stash_variants:
+            entries, own = undominated([e.segment for e in entries] + [
+                (stashed,) for e in entries if e.width == 1 for stashed in _stash_variants(problem, stack,
+                                                                                         e.segment[0])])
+        return cls(plan, timeline, entries, own, _outside_peaks(problem, stack, timeline))
 
     def choose(self, budget: int) -> list[int] | None:
         return choose(self.entries, self.own, self.outside, budget)
 
 
 class ByLayers:
-    """The layered planner of one problem with a stack: the menu measured once, then
+    """The layered planner of one problem with a stack: the menu measured once per base, then
     :meth:`cheapest` under any budget and :meth:`lowest` (the least peak the menu reaches) in milliseconds.
 
     ``plans`` give the decisions outside the stack (embeddings, the head, the loss) and menu entries.
@@ -431,21 +466,14 @@ class ByLayers:
         self.problem, self.stack, self.plans = problem, stack, plans
         segments = menu(problem, stack, plans)
         keep = dict.fromkeys(range(len(stack.blocks)), segments[0][0])
-        first = _with_blocks(problem, stack, plans[0], keep)
-        timeline = np.asarray(memory_timeline(problem, *first), dtype=np.int64)
-        cost = extra_cost(problem, *first)
-        entries = _undominated([measure(problem, stack, first, timeline, cost, segment) for segment in segments])
-        # what is left of one block is tried again with its held tensors stashed, the cheapest per byte first
-        entries = _undominated(entries + [
-            measure(problem, stack, first, timeline, cost, (stashed,)) for entry in entries if entry.width == 1
-            for stashed in _stash_variants(problem, stack, entry.segment[0])])
-        # measured on the first plan only: a block's decisions change the step alike whatever the head does
-        # (the whole plan is checked in the memory model all the same)
-        self.bases = [_Base.of(problem, stack, first, timeline, entries)]
-        for plan in plans[1:]:
-            base = _with_blocks(problem, stack, plan, keep)
-            self.bases.append(_Base.of(problem, stack, base, np.asarray(memory_timeline(problem, *base),
-                                                                         dtype=np.int64), entries))
+        bases = {_decisions_key(base): base for base in (_with_blocks(problem, stack, plan, keep) for plan in plans)}
+        first, *others = bases.values()
+        self.bases = [_Base.measured(problem, stack, first, segments, stash_variants=True)]
+        # a block's savings depend on what the plan does outside the stack (a region that begins with the
+        # embeddings', tables every layer reads held or made again): the first base's entries measured again
+        # on each other one
+        self.bases += [_Base.measured(problem, stack, base, [e.segment for e in self.bases[0].entries])
+                       for base in others]
 
     def cheapest(self, budget: int) -> SearchPlan | None:
         """The cheapest plan over the bases whose peak in the memory model is under ``budget``; None if none."""
@@ -486,20 +514,28 @@ class ByLayers:
         return None
 
 
-def _undominated(entries: list[Measured]) -> list[Measured]:
-    """The entries no other of their width beats — saving as much or more, costing as little or less, as low
-    at their own positions — nor equals earlier in the list (keep-all, first, stays)."""
-    scores = [(e.width, e.saving, e.cost, max(e.forward_delta, default=0), max(e.backward_delta, default=0))
-              for e in entries]
+def _undominated(entries: list[Measured], own: list[np.ndarray]) -> list[int]:
+    """Indices of the entries no other of their width beats — saving as much or more, costing as little or
+    less, as low at their own positions from every first block (``own``: what :func:`choose` reads, so a block
+    split into regions, as high as one region where backward begins and lower after, stays) — nor equals
+    earlier in the list (keep-all, first, stays)."""
+    width = np.array([e.width for e in entries])
+    saving = np.array([e.saving for e in entries])
+    cost = np.array([e.cost for e in entries])
+    peaks = np.stack(own)
+    kept = [0]
+    for i in range(1, len(entries)):
+        as_good = (width == width[i]) & (saving >= saving[i]) & (cost <= cost[i]) & (peaks <= peaks[i]).all(axis=1)
+        same = (saving == saving[i]) & (cost == cost[i]) & (peaks == peaks[i]).all(axis=1)
+        as_good[i] = False
+        if not (as_good & (~same | (np.arange(len(entries)) < i))).any():
+            kept.append(i)
+    return kept
 
-    def beaten(i: int) -> bool:
-        w, saving, cost, forward, backward = scores[i]
-        for j, (w2, saving2, cost2, forward2, backward2) in enumerate(scores):
-            if j != i and w2 == w and saving2 >= saving and cost2 <= cost and forward2 <= forward \
-                    and backward2 <= backward and (scores[j] != scores[i] or j < i):
-                return True
-        return False
-    return [entry for i, entry in enumerate(entries) if i == 0 or not beaten(i)]
+
+def _decisions_key(plan: SearchPlan) -> tuple:
+    recompute, stash = plan
+    return tuple(sorted((op, int(v)) for op, v in recompute.items())), tuple(sorted(stash.items()))
 
 
 def _blocks_of(entries: list[Measured], picks: list[int]) -> dict[int, Template]:
