@@ -14,10 +14,11 @@ as Rockmate and torchtitan's auto_perf_maxing do). So:
    of blocks recomputed as one region (√N's segments).
 3. **Each entry measured** on the middle blocks in the memory model (:func:`measure`): what it saves
    while the blocks wait for their backward, the memory at their own forward and backward positions, its
-   cost. Dominated entries go; what is left of single blocks is tried again with its held tensors stashed,
-   the cheapest per byte first. What a block saves depends on the plan outside the stack (a first region
-   that begins with the embeddings', tables every layer reads held or made again), so what is left is
-   measured again on each base plan.
+   cost. Entries another beats at each of their own positions go; what is left of single blocks is tried
+   again with its held tensors stashed, the cheapest per byte first. What a block saves depends on the plan
+   outside the stack (a first region that begins with the embeddings', tables every layer reads held or
+   made again), so what is left is measured again on each base plan; the DP of each base reads the entries
+   no other beats at the peaks it reads (:func:`_own_peaks`).
 4. **One entry per block** by dynamic programming over the blocks in forward order (:func:`choose`), the
    state being the bytes saved by the blocks before: the backward of block ``j`` happens while blocks
    ``0..j-1`` hold what they keep, so a block's peak is its own positions' memory less those savings.
@@ -432,24 +433,23 @@ class _Base:
 
     @classmethod
     def measured(cls, problem: Problem, stack: Stack, plan: SearchPlan, segments: list[Segment],
-                 stash_variants: bool = False) -> "_Base":
+                 stash_variants: bool = False) -> tuple["_Base", list[Segment]]:
         """``segments`` measured on ``plan``, those another beats dropped (:func:`_undominated`); with
-        ``stash_variants``, what is left of one block is tried again with its held tensors stashed."""
+        ``stash_variants``, what is left of one block is tried again with its held tensors stashed. Also the
+        segments lower than any other somewhere at their own positions: the candidates of other bases."""
         timeline = np.asarray(memory_timeline(problem, *plan), dtype=np.int64)
         changes = TimelineChanges(problem, plan)
-
-        def undominated(segments: list[Segment]) -> tuple[list[Measured], list[np.ndarray]]:
-            entries = [measure(problem, stack, changes, segment) for segment in segments]
-            own = [_own_peaks(stack, timeline, e) for e in entries]
-            kept = _undominated(entries, own)
-            return [entries[i] for i in kept], [own[i] for i in kept]
-
-        entries, own = undominated(segments)
+        entries = [measure(problem, stack, changes, segment) for segment in segments]
+        candidates = [entries[i] for i in _undominated(entries, _profiles(entries))]
         if stash_variants:
-            entries, own = undominated([e.segment for e in entries] + [
-                (stashed,) for e in entries if e.width == 1 for stashed in _stash_variants(problem, stack,
-                                                                                         e.segment[0])])
-        return cls(plan, timeline, entries, own, _outside_peaks(problem, stack, timeline))
+            entries = candidates + [measure(problem, stack, changes, (stashed,)) for e in candidates if e.width == 1
+                                    for stashed in _stash_variants(problem, stack, e.segment[0])]
+            candidates = [entries[i] for i in _undominated(entries, _profiles(entries))]
+        own = [_own_peaks(stack, timeline, e) for e in entries]
+        kept = _undominated(entries, own)
+        base = cls(plan, timeline, [entries[i] for i in kept], [own[i] for i in kept],
+                   _outside_peaks(problem, stack, timeline))
+        return base, [e.segment for e in candidates]
 
     def choose(self, budget: int) -> list[int] | None:
         return choose(self.entries, self.own, self.outside, budget)
@@ -468,12 +468,11 @@ class ByLayers:
         keep = dict.fromkeys(range(len(stack.blocks)), segments[0][0])
         bases = {_decisions_key(base): base for base in (_with_blocks(problem, stack, plan, keep) for plan in plans)}
         first, *others = bases.values()
-        self.bases = [_Base.measured(problem, stack, first, segments, stash_variants=True)]
+        measured, candidates = _Base.measured(problem, stack, first, segments, stash_variants=True)
         # a block's savings depend on what the plan does outside the stack (a region that begins with the
-        # embeddings', tables every layer reads held or made again): the first base's entries measured again
-        # on each other one
-        self.bases += [_Base.measured(problem, stack, base, [e.segment for e in self.bases[0].entries])
-                       for base in others]
+        # embeddings', tables every layer reads held or made again): the first base's candidates measured
+        # again on each other one
+        self.bases = [measured] + [_Base.measured(problem, stack, base, candidates)[0] for base in others]
 
     def cheapest(self, budget: int) -> SearchPlan | None:
         """The cheapest plan over the bases whose peak in the memory model is under ``budget``; None if none."""
@@ -531,6 +530,13 @@ def _undominated(entries: list[Measured], own: list[np.ndarray]) -> list[int]:
         if not (as_good & (~same | (np.arange(len(entries)) < i))).any():
             kept.append(i)
     return kept
+
+
+def _profiles(entries: list[Measured]) -> list[np.ndarray]:
+    """Each entry's change at its own positions, forward then backward, padded to one length."""
+    deltas = [np.asarray(e.forward_delta + e.backward_delta, dtype=np.int64) for e in entries]
+    length = max(len(d) for d in deltas)
+    return [np.pad(d, (0, length - len(d))) for d in deltas]
 
 
 def _decisions_key(plan: SearchPlan) -> tuple:
