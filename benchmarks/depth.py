@@ -129,13 +129,13 @@ def write_markdown(rows: list[dict], path: Path) -> None:
 AT_SCALE = "## At LLM scale"
 
 
-PROSE = """**By layers** (the default search; rows *by layers*: recompute only, least FLOPs): plans in 4–30 s up to
+PROSE = """**By layers** (the default search; rows *by layers*: recompute only, least FLOPs): plans in 3–25 s up to
 48 layers where the whole-model search took 8–36 s up to 12, every one measured within its budget. A
 layer's menu holds the layer as two or three regions one after another besides one region (backward then
 holds one part's tensors at a time), measured on each base plan the layers are planned over: at every depth
 the least peak the layers reach went down (GPT-2: 0.53× → 0.42–0.45× √N's peak at 6–12 layers, 1.00× →
 0.92× at 24; Llama 0.85–0.93× → 0.84–0.92×), and with it the extra FLOPs at √N's peak (GPT-2 6 layers
-0.15× → 0.08× √N's, Llama 0.69–0.73×).
+0.15× → 0.08× √N's, Llama 0.67–0.73×).
 
 **The issue's goal at √N's peak (≤ 0.25× √N's extra FLOPs) is out of reach of recomputation on these
 models**, whatever the search: they are 64 wide over 256 tokens, so parameters and gradients, which no plan
@@ -150,7 +150,7 @@ dominate, the layers' plans run 0.05–0.46× per-layer checkpointing's extra FL
 **With the default settings** (rows *by layers, default settings*: recompute and offload, least time, no
 knob turned): the plan offloads what is dearest to recompute — on the CPU to the disk tier — and runs no
 extra FLOPs on GPT-2 (0.00× √N's at every depth; 7–105 MiB offloaded) and 0.26–0.48× √N's on Llama; its
-measured step takes 0.65–0.83× √N's time on GPT-2 and 0.86–0.99× on Llama (median of 31 interleaved steps,
+measured step takes 0.65–0.94× √N's time on GPT-2 and 0.86–0.98× on Llama (median of 31 interleaved steps,
 offload copies included), within the same budget.
 
 **Reading it (the whole-model rows).** Every plan measures within its budget at every depth. GPT-2 stays well ahead of √N
