@@ -513,15 +513,15 @@ class ByLayers:
         return None
 
 
-def _undominated(entries: list[Measured], own: list[np.ndarray]) -> list[int]:
+def _undominated(entries: list[Measured], profiles: list[np.ndarray]) -> list[int]:
     """Indices of the entries no other of their width beats — saving as much or more, costing as little or
-    less, as low at their own positions from every first block (``own``: what :func:`choose` reads, so a block
-    split into regions, as high as one region where backward begins and lower after, stays) — nor equals
-    earlier in the list (keep-all, first, stays)."""
+    less, as low at every point of its profile (:func:`_own_peaks`, what :func:`choose` reads, or
+    :func:`_profiles`: a block split into regions, as high as one region where backward begins and lower
+    after, stays) — nor equals earlier in the list (keep-all, first, stays)."""
     width = np.array([e.width for e in entries])
     saving = np.array([e.saving for e in entries])
     cost = np.array([e.cost for e in entries])
-    peaks = np.stack(own)
+    peaks = np.stack(profiles)
     kept = [0]
     for i in range(1, len(entries)):
         as_good = (width == width[i]) & (saving >= saving[i]) & (cost <= cost[i]) & (peaks <= peaks[i]).all(axis=1)
