@@ -31,7 +31,6 @@ checks both on every assignment of small problems). Regions are the maximal runs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Mapping, NamedTuple
 
 import numpy as np
@@ -320,9 +319,9 @@ def _activation_pieces(problem: Problem, decided: _Decided, indices):
 
 
 class TimelineChanges:
-    """Prices changes of one base plan: ``changes(plan)`` is ``memory_timeline(problem, *plan)`` less
-    ``memory_timeline(problem, *base)`` for ``(recompute, stash)`` plans (``changes.change(plan)`` with
-    :func:`extra_cost`'s change besides), sized from the activations the change can touch — those an op
+    """Prices changes of one base plan: ``changes.change(plan)`` is ``memory_timeline(problem, *plan)`` less
+    ``memory_timeline(problem, *base)`` for ``(recompute, stash)`` plans, with :func:`extra_cost`'s change
+    besides, sized from the activations the change can touch — those an op
     whose region differs owns, reads or saves, and those stashed differently — so the layered planner prices
     hundreds of one-block changes of a base in a fraction of as many timelines' time.
 
@@ -336,25 +335,23 @@ class TimelineChanges:
         >>> keep, both = ({"fc": False, "act": False}, {}), ({"fc": True, "act": True}, {})
         >>> memory_timeline(problem, *keep), memory_timeline(problem, *both)
         ([10, 110, 110, 110], [10, 10, 110, 10])
-        >>> TimelineChanges(problem, keep)(both).tolist()
-        [0, -100, 0, -100]
+        >>> delta, cost = TimelineChanges(problem, keep).change(both)
+        >>> delta.tolist(), cost
+        ([0, -100, 0, -100], 2)
     """
 
     def __init__(self, problem: Problem, base: tuple):
         self.problem, self.base = problem, base
         self.before = _decided(problem, *base)
-        self.base_cost = _extra_cost(problem, self.before)
+        self.base_cost = _extra_cost(problem, self.before.region, self.before.made, self.before.effective)
         self.spans = _region_spans(self.before)
         self.before_bytes: dict[tuple[int, ...], np.ndarray] = {}
-
-    def __call__(self, changed: tuple) -> np.ndarray:
-        return self.change(changed)[0]
 
     def change(self, changed: tuple) -> tuple[np.ndarray, int]:
         """(the timeline's change, :func:`extra_cost`'s change)."""
         problem, before = self.problem, self.before
         after = _decided(problem, *changed)
-        cost = _extra_cost(problem, after) - self.base_cost
+        cost = _extra_cost(problem, after.region, after.made, after.effective) - self.base_cost
         if before.made or after.made:
             return (np.asarray(memory_timeline(problem, *changed), dtype=np.int64)
                     - np.asarray(memory_timeline(problem, *self.base), dtype=np.int64)), cost
@@ -399,17 +396,29 @@ def _touching(problem: Problem) -> list[list[int]]:
 def _decided_bytes(problem: Problem, decided: _Decided, indices) -> np.ndarray:
     """Bytes per position of the pieces of activations ``indices``: :func:`memory_components`' held,
     recomputed and stashed parts, restricted to them."""
+    return sum(_accumulated(problem, _activation_pieces(problem, decided, indices)))
+
+
+_KINDS = ("held", "stashed", "recomputed")
+
+
+def _accumulated(problem: Problem, pieces) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(held, stashed, recomputed) bytes per position of ``pieces`` (:func:`_pieces`' tuples): a recomputed
+    piece spans chain indices, counted at the backward of each (``backward_chain``)."""
+    code = {kind: k for k, kind in enumerate(_KINDS)}
+    rows = np.array([(code[kind], start, end + 1, nbytes) for _, start, end, kind, nbytes in pieces],
+                    dtype=np.int64).reshape(-1, 4)
     positions = problem.num_positions
-    at_positions = np.zeros(positions + 1, dtype=np.int64)
-    at_chain = np.zeros(len(problem.chain) + 1, dtype=np.int64)
-    for _, start, end, kind, nbytes in _activation_pieces(problem, decided, indices):
-        target = at_chain if kind == "recomputed" else at_positions
-        target[start] += nbytes
-        target[end + 1] -= nbytes
-    recomputed = np.cumsum(at_chain)
-    backward_chain = np.asarray(_static(problem).backward_chain)
-    total = np.cumsum(at_positions)[:positions]
-    return total + np.where(backward_chain >= 0, recomputed[backward_chain], 0)
+    summed = []
+    for k, length in enumerate((positions, positions, len(problem.chain))):
+        kind, starts, ends, sizes = rows[rows[:, 0] == k].T
+        delta = np.zeros(length + 1, dtype=np.int64)
+        np.add.at(delta, starts, sizes)
+        np.subtract.at(delta, ends, sizes)
+        summed.append(np.cumsum(delta))
+    held, stashed, by_chain = summed
+    backward_chain = np.asarray(_static(problem).backward_chain, dtype=np.int64)
+    return held[:positions], stashed[:positions], np.where(backward_chain >= 0, by_chain[backward_chain], 0)
 
 
 def _remade_pieces(problem: Problem, region: list[int], made: Mapping[int, int]):
@@ -452,19 +461,9 @@ def held_at(problem: Problem, recompute: Mapping[str, bool], position: int,
 def memory_components(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> Timeline:
     """The predicted memory of every position for the decisions ``recompute`` (op → bool) and ``stash``
     (activation → action), by component."""
-    positions = problem.num_positions
-    delta = [0] * (positions + 1)
-    stash_delta = [0] * (positions + 1)
-    remat_delta = [0] * (len(problem.chain) + 1)
-    targets = {"held": delta, "stashed": stash_delta, "recomputed": remat_delta}
-    for _, start, end, kind, nbytes in _pieces(problem, recompute, stash):
-        target = targets[kind]
-        target[start] += nbytes
-        target[end + 1] -= nbytes
-    remat = list(accumulate(remat_delta))
-    recomputed = tuple(remat[k] if k >= 0 else 0 for k in _static(problem).backward_chain)
-    return Timeline(fixed=tuple(problem.fixed), held=tuple(accumulate(delta[:positions])),
-                    recomputed=recomputed, stashed=tuple(accumulate(stash_delta[:positions])))
+    held, stashed, recomputed = _accumulated(problem, _pieces(problem, recompute, stash))
+    return Timeline(fixed=tuple(problem.fixed), held=tuple(held.tolist()), recomputed=tuple(recomputed.tolist()),
+                    stashed=tuple(stashed.tolist()))
 
 
 def memory_timeline(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> list[int]:
@@ -517,13 +516,17 @@ def _cost_of(problem: Problem, effective: Stash) -> int:
 def extra_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> int:
     """The solver's objective: the recompute cost of the ops run again (:func:`rerun_ops`), ``region_cost``
     per recomputed region, and the cost of the stash choices that take effect."""
-    return _extra_cost(problem, _decided(problem, recompute, stash))
+    region = region_ids(problem, recompute)
+    made = remakes(problem, recompute, region)
+    effective = _effective_stash(problem, recompute, stash, region, region_ends(problem, region), made) \
+        if stash else {}
+    return _extra_cost(problem, region, made, effective)
 
 
-def _extra_cost(problem: Problem, decided: _Decided) -> int:
-    ops = sum(problem.cost[op] for op in _rerun(problem, decided.region, decided.made))
-    regions = max(decided.region, default=-1) + 1
-    return ops + problem.region_cost * regions + _cost_of(problem, decided.effective)
+def _extra_cost(problem: Problem, region: list[int], made: Mapping[int, int], effective: Stash) -> int:
+    """:func:`extra_cost` from the decisions' :func:`region_ids`, :func:`remakes` and effective stash."""
+    ops = sum(problem.cost[op] for op in _rerun(problem, region, made))
+    return ops + problem.region_cost * (max(region, default=-1) + 1) + _cost_of(problem, effective)
 
 
 def rewrite_of(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None,
