@@ -394,12 +394,15 @@ def choose(entries: list[Measured], own: list[np.ndarray], outside: np.ndarray, 
         cost[j][outside[j] - saved[j] > budget] = never
         if j == blocks:
             break
+        live = np.nonzero(cost[j] < never)[0]       # (the states reached: far fewer than the buckets early on)
+        room, live_cost, live_saved = budget + saved[j][live], cost[j][live], saved[j][live]
+        most_room = room.max(initial=-never)
         for t, entry in enumerate(entries):
-            if j + entry.width > blocks:
+            if j + entry.width > blocks or own[t][j] > most_room:
                 continue
-            origin = np.nonzero((cost[j] < never) & (own[t][j] - saved[j] <= budget))[0]
-            to = j + entry.width
-            target, total, after = origin + steps[t], cost[j][origin] + entry.cost, saved[j][origin] + entry.saving
+            fits = own[t][j] <= room
+            origin, to = live[fits], j + entry.width
+            target, total, after = origin + steps[t], live_cost[fits] + entry.cost, live_saved[fits] + entry.saving
             better = (total < cost[to][target]) | ((total == cost[to][target]) & (after > saved[to][target]))
             target, origin = target[better], origin[better]
             cost[to][target], saved[to][target], pick[to][target], came[to][target] = \
