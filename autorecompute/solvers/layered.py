@@ -45,7 +45,7 @@ from autorecompute.solvers.segment_plans import per_block_plan
 
 SearchPlan = tuple[dict, dict]        # (op → Op or bool, activation → stash action), as greedy.SearchPlan
 MIN_BLOCKS = 4                        # fewer alike blocks are planned whole
-SAVING_STEPS = 4096                   # the DP's resolution in saved bytes over the whole stack
+SAVING_STEPS = 16384                  # the DP's resolution in saved bytes over the whole stack
 MAX_TIGHTENINGS = 4
 STASH_FRACTIONS = (0.1, 0.25, 0.5, 1.0)
 SELECTIVE_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.0)
