@@ -131,11 +131,11 @@ AT_SCALE = "## At LLM scale"
 
 PROSE = """**By layers** (the default search; rows *by layers*: recompute only, least FLOPs): plans in 3–25 s up to
 48 layers where the whole-model search took 8–36 s up to 12, every one measured within its budget. A
-layer's menu holds the layer as two or three regions one after another besides one region (backward then
-holds one part's tensors at a time), measured on each base plan the layers are planned over: at every depth
-the least peak the layers reach went down (GPT-2: 0.53× → 0.42–0.45× √N's peak at 6–12 layers, 1.00× →
-0.92× at 24; Llama 0.85–0.93× → 0.84–0.92×), and with it the extra FLOPs at √N's peak (GPT-2 6 layers
-0.15× → 0.08× √N's, Llama 0.67–0.73×).
+layer's menu holds the layer as one region or as two or three one after another (backward then holds one
+part's tensors at a time), measured on each base plan the layers are planned over, and a DP picks one entry
+per layer over 16384 buckets of saved bytes. The least peaks the layers reach: GPT-2 0.42–0.45× √N's at 6–12
+layers, 0.92× at 24 and 0.64× at 48; Llama 0.84–0.92×. Extra FLOPs at √N's peak: GPT-2 0.08 / 0.37 / 0.79 /
+0.65× √N's at 6 / 12 / 24 / 48 layers, Llama 0.67–0.73×.
 
 **The issue's goal at √N's peak (≤ 0.25× √N's extra FLOPs) is out of reach of recomputation on these
 models**, whatever the search: they are 64 wide over 256 tokens, so parameters and gradients, which no plan
@@ -149,9 +149,10 @@ dominate, the layers' plans run 0.05–0.46× per-layer checkpointing's extra FL
 
 **With the default settings** (rows *by layers, default settings*: recompute and offload, least time, no
 knob turned): the plan offloads what is dearest to recompute — on the CPU to the disk tier — and runs no
-extra FLOPs on GPT-2 (0.00× √N's at every depth; 7–105 MiB offloaded) and 0.26–0.48× √N's on Llama; its
-measured step takes 0.65–0.94× √N's time on GPT-2 and 0.86–0.98× on Llama (median of 31 interleaved steps,
-offload copies included), within the same budget.
+extra FLOPs on GPT-2 up to 24 layers (0.01× √N's at 48; 7–106 MiB offloaded) and 0.45–0.49× √N's on Llama,
+where the cost model prices a recomputed 64-wide matmul below an offloaded tensor's copies; its measured
+step takes 0.69–0.90× √N's time on GPT-2 and 0.83–0.97× on Llama (median of 31 interleaved steps, offload
+copies included), within the same budget.
 
 **Reading it (the whole-model rows).** Every plan measures within its budget at every depth. GPT-2 stays well ahead of √N
 (no extra FLOPs at its peak up to 6 layers, 0.05× at 12). Llama less so: 0.50× √N's extra FLOPs with 3 layers,
