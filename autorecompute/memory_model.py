@@ -321,9 +321,9 @@ def _activation_pieces(problem: Problem, decided: _Decided, indices):
 class TimelineChanges:
     """Prices changes of one base plan: ``changes.change(plan)`` is ``memory_timeline(problem, *plan)`` less
     ``memory_timeline(problem, *base)`` for ``(recompute, stash)`` plans, with :func:`extra_cost`'s change
-    besides, sized from the activations the change can touch — those an op
-    whose region differs owns, reads or saves, and those stashed differently — so the layered planner prices
-    hundreds of one-block changes of a base in a fraction of as many timelines' time.
+    besides, sized from the activations the change can touch — those an op whose region differs owns, reads
+    or saves, and those stashed differently — so the layered planner prices hundreds of one-block changes of
+    a base in a fraction of as many timelines' time.
 
     Example:
         >>> from autorecompute.problem import Activation, Problem
@@ -411,7 +411,7 @@ def _accumulated(problem: Problem, pieces) -> tuple[np.ndarray, np.ndarray, np.n
     positions = problem.num_positions
     summed = []
     for k, length in enumerate((positions, positions, len(problem.chain))):
-        kind, starts, ends, sizes = rows[rows[:, 0] == k].T
+        _, starts, ends, sizes = rows[rows[:, 0] == k].T
         delta = np.zeros(length + 1, dtype=np.int64)
         np.add.at(delta, starts, sizes)
         np.subtract.at(delta, ends, sizes)
