@@ -213,11 +213,18 @@ def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stas
     """The stash choices that take effect under ``recompute`` (the others are dropped). A chain
     rematerialization takes effect only when every activation it delivers could be stashed itself and is
     taken by no other choice."""
-    if not stash:
-        return {}
+    return _regions(problem, recompute, stash)[3] if stash else {}
+
+
+def _regions(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None, ends_needed: bool = True) \
+        -> tuple[list[int], dict[int, int] | None, dict[int, int], dict[str, str]]:
+    """(:func:`region_ids`, :func:`region_ends`, :func:`remakes`, :func:`effective_stash`) of the decisions;
+    without ``ends_needed`` the region ends only where a stash needs them (else None: the cost reads none, and
+    they take a pass over the chain on the searches' hot path)."""
     region = region_ids(problem, recompute)
-    return _effective_stash(problem, recompute, stash, region, region_ends(problem, region),
-                            remakes(problem, recompute, region))
+    ends = region_ends(problem, region) if ends_needed or stash else None
+    made = remakes(problem, recompute, region)
+    return region, ends, made, _effective_stash(problem, recompute, stash, region, ends, made)
 
 
 def _effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None, region: list[int],
@@ -269,10 +276,7 @@ class _Decided(NamedTuple):
 
 
 def _decided(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None) -> _Decided:
-    region = region_ids(problem, recompute)
-    ends = region_ends(problem, region)
-    made = remakes(problem, recompute, region)
-    effective = _effective_stash(problem, recompute, stash, region, ends, made)
+    region, ends, made, effective = _regions(problem, recompute, stash)
     region_last = list(range(len(region)))
     for k in range(len(region) - 2, -1, -1):
         if region[k] >= 0 and region[k + 1] == region[k]:
@@ -516,10 +520,7 @@ def _cost_of(problem: Problem, effective: Stash) -> int:
 def extra_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> int:
     """The solver's objective: the recompute cost of the ops run again (:func:`rerun_ops`), ``region_cost``
     per recomputed region, and the cost of the stash choices that take effect."""
-    region = region_ids(problem, recompute)
-    made = remakes(problem, recompute, region)
-    effective = _effective_stash(problem, recompute, stash, region, region_ends(problem, region), made) \
-        if stash else {}
+    region, _, made, effective = _regions(problem, recompute, stash, ends_needed=False)
     return _extra_cost(problem, region, made, effective)
 
 
