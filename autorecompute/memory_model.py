@@ -291,7 +291,22 @@ def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None
     decided = _decided(problem, recompute, stash)
     if decided.made:
         yield from _remade_pieces(problem, decided.region, decided.made)
+    yield from _rng_state_pieces(problem, decided)
     yield from _activation_pieces(problem, decided, range(len(problem.activations)))
+
+
+def _rng_state_pieces(problem: Problem, decided: _Decided):
+    """The generator state each region that draws random numbers keeps to replay them
+    (``problem.rng_state_bytes``), a "held" piece without an activation: from the region's forward until its
+    checkpoint frees its inputs (:func:`region_ends`; a region that saves nothing frees them at once)."""
+    if not problem.rng_state_bytes or not problem.random_ops or decided.ends is None:
+        return
+    static, region = _static(problem), decided.region
+    random_regions = {region[static.index[op]] for op in problem.random_ops if op in static.index}
+    for first, r in enumerate(region):
+        if r in random_regions and r >= 0 and (first == 0 or region[first - 1] != r) and r in decided.ends:
+            start = problem.forward_position.get(problem.chain[first], first)
+            yield None, start, decided.ends[r], "held", problem.rng_state_bytes
 
 
 def _activation_pieces(problem: Problem, decided: _Decided, indices):
@@ -350,6 +365,7 @@ class TimelineChanges:
         self.base_cost = _extra_cost(problem, self.before.region, self.before.made, self.before.effective)
         self.spans = _region_spans(self.before)
         self.before_bytes: dict[tuple[int, ...], np.ndarray] = {}
+        self.before_rng = _rng_state_bytes(problem, self.before)
 
     def change(self, changed: tuple) -> tuple[np.ndarray, int]:
         """(the timeline's change, :func:`extra_cost`'s change)."""
@@ -362,7 +378,10 @@ class TimelineChanges:
         touched = tuple(self._touched(after))
         if touched not in self.before_bytes:
             self.before_bytes[touched] = _decided_bytes(problem, before, touched)
-        return _decided_bytes(problem, after, touched) - self.before_bytes[touched], cost
+        delta = _decided_bytes(problem, after, touched) - self.before_bytes[touched]
+        if problem.rng_state_bytes and problem.random_ops:
+            delta += _rng_state_bytes(problem, after) - self.before_rng
+        return delta, cost
 
     def _touched(self, after: _Decided) -> list[int]:
         before, touching = self.before, _touching(self.problem)
@@ -401,6 +420,11 @@ def _decided_bytes(problem: Problem, decided: _Decided, indices) -> np.ndarray:
     """Bytes per position of the pieces of activations ``indices``: :func:`memory_components`' held,
     recomputed and stashed parts, restricted to them."""
     return sum(_accumulated(problem, _activation_pieces(problem, decided, indices)))
+
+
+def _rng_state_bytes(problem: Problem, decided: _Decided) -> np.ndarray:
+    """Bytes per position of the generator states the regions keep (:func:`_rng_state_pieces`)."""
+    return _accumulated(problem, _rng_state_pieces(problem, decided))[0]
 
 
 _KINDS = ("held", "stashed", "recomputed")
@@ -459,7 +483,7 @@ def held_at(problem: Problem, recompute: Mapping[str, bool], position: int,
             stash: Stash | None = None) -> set[str]:
     """Owners of the activations held (not recomputed) at ``position``: what the peak is made of."""
     return {act.owner for act, start, end, kind, _ in _pieces(problem, recompute, stash)
-            if kind == "held" and start <= position <= end}
+            if kind == "held" and act is not None and start <= position <= end}
 
 
 def memory_components(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> Timeline:

@@ -131,6 +131,11 @@ class Problem:
     # ops a region's recomputation cannot run again to remake its inputs (memory_model.REMAKE): random ops
     # (the region replays its own RNG state, not theirs) and ops that update state
     unremakeable: frozenset[str] = frozenset()
+    # ops that draw random numbers: a checkpointed region running one keeps the generator's state from its
+    # forward until it frees its inputs, to replay it — ``rng_state_bytes`` of the step's memory (the CPU
+    # generator's state on a CPU step; 0 where that state lives outside the device, as CUDA's host copy does)
+    random_ops: frozenset[str] = frozenset()
+    rng_state_bytes: int = 0
     # groups of ops that play one part in repeated blocks (the first matmul of each transformer layer's
     # attention): the local searches also change a group at once, since on a model of equal layers one layer
     # changed alone cannot lower a peak every layer reaches

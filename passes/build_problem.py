@@ -13,7 +13,8 @@ import torch
 import torch.fx
 
 from autorecompute.memory_model import memory_timeline
-from autorecompute.passes.graph_facts import is_mutating, read_before_written, subgraphs_mutate, written_in_place
+from autorecompute.passes.graph_facts import (device_of, draws_random_numbers, is_mutating, read_before_written,
+                                              subgraphs_mutate, written_in_place)
 from autorecompute.passes.meta import node_info, node_info_if_profiled, step_profile
 from autorecompute.passes.profile import module_path
 from autorecompute.passes.profile_records import NodeInfo, StepProfile, TensorInfo
@@ -21,7 +22,7 @@ from autorecompute.passes.sharded_units import is_sharded_call
 from autorecompute.throughputs import CPU_DISK, TransferModel
 from autorecompute.problem import GRADIENT, Activation, Problem, StashOption
 from autorecompute.runtime.codecs import codec
-from autorecompute.runtime.regions import BATCH_NORM
+from autorecompute.runtime.regions import BATCH_NORM, cpu_rng_state_bytes
 
 LOSSY_COST = {"bfloat16": 1, "float16": 1, "float8": 2, "int8": 2}   # per byte compressed: prefer exact dtypes
 MAX_PREFETCH_LEAD = 8   # backward positions a prefetch may start before the first use
@@ -171,11 +172,20 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
         region_cost=facts.device.seconds_to_cost(facts.device.region_seconds), stash_options=options,
         saves=_saves(facts),
         # random ops (ops that update state are not recomputable at all)
-        unremakeable=frozenset(op for op in chain if regions_only or is_random(nodes[op])),
+        unremakeable=frozenset(op for op in chain if regions_only or draws_random_numbers(nodes[op])),
+        random_ops=frozenset(op for op in chain if draws_random_numbers(nodes[op])),
+        rng_state_bytes=_rng_state_bytes([nodes[op] for op in chain]),
         repeats=repeated_ops([nodes[op] for op in chain], facts.recomputable),
         blocks=repeated_blocks([nodes[op] for op in chain]),
         forward_position={op: node_info(nodes[op]).position for op in chain})
     return calibrate(problem, _measured(facts.profile))
+
+
+def _rng_state_bytes(chain: list[torch.fx.Node]) -> int:
+    """What a checkpointed region that draws random numbers keeps on the step's device to replay them: the
+    CPU generator's state on a CPU step (:func:`~autorecompute.runtime.regions.rng_state_stand_in`); none on
+    CUDA (host memory) or when planning on ``meta`` for a GPU."""
+    return cpu_rng_state_bytes() if device_of(chain) == "cpu" else 0
 
 
 def step_facts(gm: torch.fx.GraphModule, recompute: bool, device: TransferModel) -> StepFacts:

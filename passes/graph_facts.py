@@ -2,7 +2,8 @@
 
 The capture transforms use them to tell what they may rewrite; :mod:`~autorecompute.passes.build_problem` uses
 them to tell which ops may run again: an op whose result a later op writes in place, or that reads a tensor a
-later op writes, would not compute the same values a second time.
+later op writes, would not compute the same values a second time. Which ops draw random numbers (a region that
+runs one replays the RNG state) and the device a graph runs on, for both.
 """
 from __future__ import annotations
 
@@ -131,3 +132,29 @@ def _subgraph_writes(node: torch.fx.Node) -> tuple[list, dict]:
     returned = {k: operands[placeholders[root]] for k, root in enumerate(map(storage_root, results))
                 if root in placeholders and placeholders[root] in written and placeholders[root] < len(operands)}
     return [operands[i] for i in sorted(written) if i < len(operands)], returned
+
+
+_DROPOUTS = {torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default,
+             torch.ops.aten.alpha_dropout.default, torch.ops.aten.feature_alpha_dropout.default,
+             torch.ops.aten.native_dropout.default}
+
+
+def draws_random_numbers(node: torch.fx.Node) -> bool:
+    """Whether ``node`` draws random numbers: a region running it replays the RNG state for it. A dropout of
+    probability 0 or out of training (Llama's attention dropout) returns its input and draws none."""
+    target = node.target
+    if target in _DROPOUTS and len(node.args) >= 3 and (node.args[1] == 0 or node.args[2] is False):
+        return False
+    tags = getattr(target, "tags", ())
+    name = str(target)
+    return torch.Tag.nondeterministic_seeded in tags or any(
+        word in name for word in ("dropout", "rand", "bernoulli", "normal", "multinomial"))
+
+
+def device_of(nodes: list[torch.fx.Node]) -> str | None:
+    """The device type of the first of ``nodes`` that makes a tensor (None: none does)."""
+    for node in nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device.type
+    return None

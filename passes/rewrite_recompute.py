@@ -13,6 +13,7 @@ from typing import Collection, Mapping
 import torch
 import torch.fx
 
+from autorecompute.passes.graph_facts import device_of, draws_random_numbers
 from autorecompute.passes.meta import mark_region, mark_source, source_op
 from autorecompute.runtime.regions import BATCH_NORM, CheckpointRegion, RemakingRegion, batch_norm_once
 
@@ -66,22 +67,6 @@ def _is_hoistable(node: torch.fx.Node, members: set, is_transparent) -> bool:
     except RuntimeError:     # not profiled: be safe and end the region
         return False
     return transparent and not any(arg in members for arg in node.all_input_nodes)
-
-
-def _is_random(node: torch.fx.Node) -> bool:
-    target = node.target
-    tags = getattr(target, "tags", ())
-    name = str(target)
-    return torch.Tag.nondeterministic_seeded in tags or any(
-        word in name for word in ("dropout", "rand", "bernoulli", "normal", "multinomial"))
-
-
-def _device_of(nodes: list[torch.fx.Node]) -> str | None:
-    for node in nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            return val.device.type
-    return None
 
 
 def rewrite_recompute(gm: torch.fx.GraphModule, decisions: Mapping[str, str],
@@ -152,8 +137,8 @@ def _outline(gm: torch.fx.GraphModule, region: list[torch.fx.Node], name: str,
     inputs = _inputs(region)
     outputs = [node for node in region if any(user not in members for user in node.users)]
     body_module = _body(region, inputs, outputs)
-    device = _device_of(region)
-    preserve_rng = any(_is_random(n) for n in region) and device not in (None, "meta")
+    device = device_of(region)
+    preserve_rng = any(draws_random_numbers(n) for n in region) and device not in (None, "meta")
     # the tensors the region before makes, made again from that region's inputs (the ops they need)
     made_before = set(before or ())
     remade = [i for i, arg in enumerate(inputs) if arg in made_before]
@@ -164,7 +149,7 @@ def _outline(gm: torch.fx.GraphModule, region: list[torch.fx.Node], name: str,
         needed = _needed(before, [inputs[i] for i in remade])
         # made again without its own RNG state or a second state update, they would differ from forward's
         from autorecompute.passes.build_problem import unreplayable
-        unrepeatable = [node.name for node in needed if _is_random(node) or unreplayable(node)]
+        unrepeatable = [node.name for node in needed if draws_random_numbers(node) or unreplayable(node)]
         if unrepeatable:
             raise ValueError(f"{name} ({region[0].name} ...) makes its inputs again from the region before it, "
                              f"which runs {unrepeatable}: random or state-updating ops cannot run a third time "

@@ -132,11 +132,12 @@ def rng_state_stand_in(preserving: bool, inputs: tuple) -> tuple:
 
 class _HeldRngState:
     def __init__(self):
-        hold_while_alive(self, _cpu_rng_state_bytes())
+        hold_while_alive(self, cpu_rng_state_bytes())
 
 
 @functools.cache
-def _cpu_rng_state_bytes() -> int:
+def cpu_rng_state_bytes() -> int:
+    """Bytes of the CPU generator's state (``torch.get_rng_state()``), which a checkpoint replaying it keeps."""
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
         return torch.get_rng_state().numel()
 
