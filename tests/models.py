@@ -37,9 +37,9 @@ def hf_layer_checkpointing(model, on: bool = True) -> None:
         getattr(model, f"{name}_checkpointing_disable")()
 
 
-def gpt2() -> Case:
+def gpt2(layers: int = 3) -> Case:
     t = _quiet_transformers()
-    cfg = t.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=128, use_cache=False,
+    cfg = t.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=256, n_positions=128, use_cache=False,
                        bos_token_id=0, eos_token_id=0)
     return Case("gpt2", t.GPT2LMHeadModel(cfg), (torch.randint(0, 256, (4, 64)),))
 

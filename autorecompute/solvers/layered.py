@@ -40,7 +40,7 @@ from autorecompute.decisions import Op
 from autorecompute.memory_model import (TimelineChanges, effective_stash, extra_cost, memory_timeline,
                                          predicted_peak)
 from autorecompute.problem import Problem
-from autorecompute.solvers.greedy import lowest_start as greedy_lowest_start, stash_all
+from autorecompute.solvers.greedy import lowest_start as greedy_lowest_start, stash_all, stash_chains
 from autorecompute.solvers.segment_plans import per_block_plan
 
 SearchPlan = tuple[dict, dict]        # (op → Op or bool, activation → stash action), as greedy.SearchPlan
@@ -233,7 +233,9 @@ def _stashed(problem: Problem, stack: Stack, template: Template) -> list[Templat
 
 def _stash_variants(problem: Problem, stack: Stack, template: Template) -> list[Template]:
     """``template`` with the first :data:`STASH_FRACTIONS` of its block's stashable tensors stashed, ranked by
-    the cost per byte of their cheapest option (a rematerialization of a cheap op first, an offload last)."""
+    the cost per byte of their cheapest single-op option (a rematerialization of a cheap op first, an offload
+    last); and with chains of cheap ops made again, each delivering the tensors on its way (a GELU's
+    intermediates from its input), the rest stashed the least-memory way (:func:`greedy.stash_chains`)."""
     m = stack.middle
     recompute = {op: False for op in problem.recomputable}
     apply_template(problem, stack, m, (recompute, {}), template)
@@ -250,6 +252,8 @@ def _stash_variants(problem: Problem, stack: Stack, template: Template) -> list[
     for fraction in STASH_FRACTIONS:
         chosen = {name: action for _, name, action in ranked[:max(1, round(fraction * len(ranked)))]}
         variants.append(template_of(stack, m, (recompute, effective_stash(problem, recompute, chosen))))
+    if ranked:
+        variants.append(template_of(stack, m, (recompute, stash_chains(problem, recompute))))
     return list(dict.fromkeys(v for v in variants if v != template)) if ranked else []
 
 
