@@ -14,7 +14,7 @@ from autorecompute.solvers.cpsat import Encoding
 
 # the order solve adds them in
 FAMILIES = ("add_recompute_decisions", "add_region_prefix", "add_reruns", "add_stash_decisions", "add_activations",
-            "add_unheld_deliveries", "add_rematerialized_bytes", "add_memory_levels", "add_budget",
+            "add_unheld_deliveries", "add_rng_states", "add_rematerialized_bytes", "add_memory_levels", "add_budget",
             "add_region_starts")
 
 
@@ -269,11 +269,17 @@ def test_a_region_holds_what_it_makes_again_from_its_recomputation_to_each_tenso
         assert {op: solver.value(var) for op, var in encoding.remat.items()} == expected, plan
 
 
-def test_the_peak_is_the_memory_models_on_every_plan():
+@pytest.mark.parametrize("random", [False, True], ids=["", "random ops"])
+def test_the_peak_is_the_memory_models_on_every_plan(random):
     """Pieces, fixed bytes and what regions make again, at every position: the least peak of a fixed plan is
-    :func:`memory_model.predicted_peak`, on every plan of keep / recompute / new region."""
+    :func:`memory_model.predicted_peak`, on every plan of keep / recompute / new region; with random ops,
+    the generator state each region through them keeps, once a region (fixed, a run of decisions is a
+    region, so CP-SAT's span for it is the region's own)."""
     problem = chain_problem(4, (100, 30, 70), fixed=(0, 30, 0, 0, 0, 50, 0, 40),
                             saves={"op1": True, "op2": False, "op3": True})
+    if random:
+        problem = replace(problem, random_ops=frozenset({"op1", "op2"}), rng_state_bytes=20,
+                          forward_position={op: i for i, op in enumerate(problem.chain)})
     peaks = set()
     for plan in plans(problem):
         encoding = fixed(problem, plan)

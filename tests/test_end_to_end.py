@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import autorecompute
+import autorecompute.planner
 import models
 from conftest import SOLVER_TIME
 from harness import assert_bitwise_equal, measured_step

@@ -94,6 +94,11 @@ def _both(model: cp_model.CpModel, a, b, name: str):
     return both
 
 
+def _negated(literal):
+    """``¬literal`` for a Boolean variable or the constants 0 and 1."""
+    return 1 - literal if isinstance(literal, int) else ~literal
+
+
 def _any(model: cp_model.CpModel, literals: list, name: str):
     """A Boolean equal to the OR of ``literals`` (the literal itself when there is one)."""
     if len(literals) == 1:
@@ -428,6 +433,39 @@ class Encoding:
         self.starts.setdefault(start, []).append(units * literal)
         self.ends.setdefault(end, []).append(units * literal)
 
+    def add_rng_states(self) -> None:
+        """The generator state a region that draws random numbers keeps (``Problem.rng_state_bytes``): one
+        piece per region, on its first random op, from the start of the longest run of ops that region can be
+        part of to the latest backward of an op there that saves — conservative, where the memory model that
+        scores CP-SAT's plans sizes each region's own span."""
+        problem = self.problem
+        if not problem.rng_state_bytes or not problem.random_ops or problem.saves is None:
+            return
+        saving_end = problem.indexed.saving_end
+        for run in self._joinable_runs():
+            end = max(saving_end[k] for k in run)
+            start = problem.forward_position.get(problem.chain[run[0]], run[0])
+            previous = None        # the run's random op before: a region through both keeps one state
+            for k in run:
+                op = problem.chain[k]
+                if op not in problem.random_ops:
+                    continue
+                first = self.r[op] if previous is None else _both(
+                    self.model, self.r[op], _negated(self.same(previous, op)), f"first_random[{op}]")
+                self.add_piece(start, end, problem.rng_state_bytes, first)
+                previous = op
+
+    def _joinable_runs(self) -> list[list[int]]:
+        """Chain indices of the runs of ops with a decision and no cut inside: the most one region spans."""
+        runs: list[list[int]] = []
+        for k, op in enumerate(self.problem.chain):
+            if op not in self.r:
+                continue
+            if not runs or runs[-1][-1] != k - 1 or op in self.cuts:
+                runs.append([])
+            runs[-1].append(k)
+        return runs
+
     def add_unheld_deliveries(self) -> None:
         """No delivery to a tensor autograd does not hold after forward: there is nothing to take off the
         device, and the chain's pieces for it would count memory that is not there."""
@@ -623,6 +661,7 @@ def solve(problem: Problem, *, budget: int | None = None, minimize: str = "cost"
     encoding.add_stash_decisions()
     encoding.add_activations()
     encoding.add_unheld_deliveries()
+    encoding.add_rng_states()
     encoding.add_rematerialized_bytes()
     encoding.add_memory_levels()
     encoding.add_budget()
