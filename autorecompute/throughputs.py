@@ -67,11 +67,12 @@ class TransferModel:
 
 
 # CPU (measured on the 2-core CI machine): ~100 GFLOP/s on mid-sized matmuls; the disk
-# tier writes and reads its file in the page cache at 4-9 GB/s on the calling thread, and an offloaded tensor
-# costs ~80 µs of hooks, stash nodes and system calls besides its bytes; GELU writes ~4 GB/s after ~10 µs of
+# tier writes and reads its file in the page cache at 8-15 GB/s on the calling thread for tensors of 256 KiB
+# and more (smaller ones pay the fixed cost below), and an offloaded tensor costs ~60-80 µs of hooks, stash
+# nodes and system calls besides its bytes; GELU writes ~4 GB/s after ~10 µs of
 # dispatch, dropout draws ~0.3 GB/s of numbers (bernoulli), a non-reentrant checkpoint call costs ~430 µs of
 # forward + backward overhead, a rematerialized tensor ~200 µs of hooks and bookkeeping besides its op.
-CPU_DISK = TransferModel(flops_per_second=100e9, write_bytes_per_second=4e9, read_bytes_per_second=4e9,
+CPU_DISK = TransferModel(flops_per_second=100e9, write_bytes_per_second=8e9, read_bytes_per_second=8e9,
                          per_transfer_seconds=40e-6, memory_bytes_per_second=4e9, random_bytes_per_second=0.35e9,
                          op_seconds=10e-6, region_seconds=400e-6, stash_seconds=200e-6, overlaps_compute=False)
 # CUDA: PCIe Gen4/5 pinned copies ~20 GB/s each way; a large GPU sustains ~100 TFLOP/s in bf16 matmuls and
