@@ -129,16 +129,21 @@ def write_markdown(rows: list[dict], path: Path) -> None:
 AT_SCALE = "## At LLM scale"
 
 
-PROSE = """**By layers** (the default search; rows *by layers*: recompute only, least FLOPs): plans in 3–25 s up to
-48 layers where the whole-model search took 8–36 s up to 12, every one measured within its budget. A
+PROSE = """**By layers** (the default search; rows *by layers*: recompute only, least FLOPs): plans in 3–30 s up to
+48 layers where the whole-model search took 12–51 s up to 12, every one measured within its budget. A
 layer's menu holds the layer as one region or as two or three one after another (backward then holds one
-part's tensors at a time), measured on each base plan the layers are planned over, and a DP picks one entry
-per layer over 16384 buckets of saved bytes. The least peaks the layers reach: GPT-2 0.42–0.45× √N's at 6–12
-layers, 0.92× at 24 and 0.64× at 48; Llama 0.84–0.92×. Extra FLOPs at √N's peak: GPT-2 0.08 / 0.37 / 0.79 /
-0.65× √N's at 6 / 12 / 24 / 48 layers, Llama 0.67–0.73×.
+part's tensors at a time), regions over stretches of it (an attention's core between its matmuls), its
+cheap ops made again alone or in chains (a GELU's ops from its input, the intermediates delivered on the
+way), measured on each base plan the layers are planned over, and a DP picks one entry per layer over 16384
+buckets of saved bytes. The memory model counts the CPU generator state (5 KB) each region with dropout keeps
+until its recomputation, so the first plan's prediction holds when measured. The least peaks the layers
+reach: GPT-2 0.42–0.45× √N's at 6–12 layers, 0.92× at 24 and 0.63× at 48; Llama 0.85–0.92×. Extra FLOPs at
+√N's peak: GPT-2 0.00 / 0.04 / 0.72 / 0.43× √N's at 6 / 12 / 24 / 48 layers, Llama 0.70 / 0.85 / 0.67 /
+0.68× (12 layers: the whole-model search's 0.74× at 6× the plan time; √N's peak leaves Llama 10% of room
+above its minimum, where one entry more or less moves the cost in steps).
 
-**The issue's goal at √N's peak (≤ 0.25× √N's extra FLOPs) is out of reach of recomputation on these
-models**, whatever the search: they are 64 wide over 256 tokens, so parameters and gradients, which no plan
+**Recomputation alone reaches the issue's goal at √N's peak (≤ 0.25× √N's extra FLOPs) on GPT-2 up to 12
+layers, not deeper nor on Llama**, whatever the search: they are 64 wide over 256 tokens, so parameters and gradients, which no plan
 removes, make most of √N's peak, and √N's peak is within 8–16% of the least peak any of our searches finds
 on Llama (8% on 24-layer GPT-2). The layers' own menu says what a quarter of √N's FLOPs would cost: √N runs
 again 0.85 of the 12-layer Llama's forward (1.00 of the 24-layer GPT-2's), so a quarter of it allows each
@@ -148,14 +153,17 @@ GPT-2's 23) where √N's whole step peaks at 7.1 MiB (12.9 MiB). At LLM shapes (
 dominate, the layers' plans run 0.05–0.46× per-layer checkpointing's extra FLOPs at its peak.
 
 **With the default settings** (rows *by layers, default settings*: recompute and offload, least time, no
-knob turned): the plan offloads what is dearest to recompute — on the CPU to the disk tier — and runs no
-extra FLOPs on GPT-2 up to 24 layers (0.01× √N's at 48; 7–106 MiB offloaded) and 0.45–0.49× √N's on Llama,
-where the cost model prices a recomputed 64-wide matmul below an offloaded tensor's copies; its measured
-step takes 0.69–0.90× √N's time on GPT-2 and 0.83–0.97× on Llama (median of 31 interleaved steps, offload
-copies included), within the same budget.
+knob turned): the plan offloads what is dearest to recompute — on the CPU to the disk tier, priced at
+8 GB/s each way and 40 µs a copy (the CI machine's page cache moves 9–15 GB/s for tensors of 256 KiB and
+more) — and runs no extra FLOPs on GPT-2 at any depth (7–107 MiB offloaded) and 0.32 / 0.00 / 0.05 /
+0.03× √N's on Llama at 6 / 12 / 24 / 48 layers: the goal is met but for 6-layer Llama, where the cost model
+still prices a few recomputed 64-wide matmuls below their tensors' copies. The measured step takes
+0.63–0.81× √N's time on GPT-2 and 0.82–0.88× on Llama (median of 31 interleaved steps, offload copies
+included), within the same budget; priced at 4 GB/s the 12-layer Llama's plan recomputed 0.47× √N's FLOPs
+and its step measured 1.09× this one's.
 
 **Reading it (the whole-model rows).** Every plan measures within its budget at every depth. GPT-2 stays well ahead of √N
-(no extra FLOPs at its peak up to 6 layers, 0.05× at 12). Llama less so: 0.50× √N's extra FLOPs with 3 layers,
+(no extra FLOPs at its peak up to 6 layers, 0.04× at 12). Llama less so: 0.48× √N's extra FLOPs with 3 layers,
 0.63× with 6 and 0.74× with 12. Two things run out:
 
 * **The search.** CP-SAT's model grows with the ops (about 70 a layer) and from 6 Llama layers (448 ops) finds
@@ -168,9 +176,9 @@ copies included), within the same budget.
   or near it; what is left needs trades between layers further apart than a window (windows of 160 ops end
   at the same plans, of 250 at dearer ones). CP-SAT over the same stretch of every layer at once
   (`cpsat.block_windows`, `feasible (cp-sat across layers)`) makes such trades: it took 3-layer Llama from
-  0.53× to 0.50×, but changes little on deeper models (12-layer GPT-2 1.6% extra FLOPs as before; 6-layer
+  0.53× to 0.50×, but changes little on deeper models (12-layer GPT-2 1.2% extra FLOPs as before; 6-layer
   Llama: nothing cheaper; 12: the same 0.74×), where the room is short.
-* **The room.** Llama's recompute-only minimum is 0.82× √N's peak with 6 layers and 0.91× with 12: the
+* **The room.** Llama's recompute-only minimum is 0.79× √N's peak with 6 layers and 0.91× with 12: the
   parameters and their gradients, which no plan removes, grow with the layers while √N's activations grow as
   their square root, so at √N's peak a 12-layer Llama has 10% of room above the least memory any plan
   needs, and most activations must be made again somehow. GPT-2's minimum stays under half of √N's peak."""
