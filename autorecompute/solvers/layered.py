@@ -8,8 +8,8 @@ as Rockmate and torchtitan's auto_perf_maxing do). So:
 1. **The stack** (:func:`find_stack`): the most numerous blocks of ``problem.blocks`` that are alike (the same
    ops at the same costs) and run one after another (forward in order, backward in reverse).
 2. **The menu** (:func:`menu`): block decisions (:class:`Template`) — keep-all, the block as one region,
-   one region over each stretch of it (the MLP alone, all but the output...), the block as two or three
-   regions one after another (its backward then holds one part's tensors at a time), its ops cheapest per byte
+   one region over each stretch of it (the MLP alone, all but the output...) or over all of it but one
+   stretch, the block as two or three regions one after another (its backward then holds one part's tensors at a time), its ops cheapest per byte
    recomputed wherever they are, what it holds stashed, every block's decisions in the plans given — and runs
    of blocks recomputed as one region (√N's segments).
 3. **Each entry measured** on the middle blocks in the memory model (:func:`measure`): what it saves
@@ -281,7 +281,8 @@ def _selective(problem: Problem, block: tuple[str, ...]) -> list[Template]:
 
 def _regions(problem: Problem, block: tuple[str, ...]) -> list[Template]:
     """One region over each stretch of the block (both ends on a grid of at most :data:`REGION_GRID` points):
-    the MLP alone, the attention alone, all but the output..."""
+    the MLP alone, the attention alone, all but the output...; the block split into regions
+    (:func:`_splits`), and recomputed but for one stretch (:func:`_complements`)."""
     step = max(1, math.ceil(len(block) / REGION_GRID))
     recomputable = [op in problem.recomputable for op in block]
     templates = []
@@ -289,7 +290,25 @@ def _regions(problem: Problem, block: tuple[str, ...]) -> list[Template]:
         for b in range(a + step, len(block) + step, step):
             templates.append(Template(tuple((Op.NEW_REGION if k == a else Op.RECOMPUTE) if a <= k < b and r else Op.KEEP
                                             for k, r in enumerate(recomputable))))
-    return templates + _splits(problem, block)
+    return templates + _splits(problem, block) + _complements(problem, block)
+
+
+def _complements(problem: Problem, block: tuple[str, ...]) -> list[Template]:
+    """The block recomputed but for one stretch of one to three grid steps kept (an MLP's matmuls), the parts
+    before and after it a region each: where the budget leaves room for one stretch's tensors and the rest of
+    the block must be made again."""
+    step = max(1, math.ceil(len(block) / REGION_GRID))
+    recomputable = [op in problem.recomputable for op in block]
+    templates = []
+    for a in range(step, len(block), step):
+        for b in range(a + step, min(len(block), a + 3 * step) + 1, step):
+            ops, in_region = [], False
+            for k, r in enumerate(recomputable):
+                kept = a <= k < b or not r
+                ops.append(Op.KEEP if kept else Op.RECOMPUTE if in_region else Op.NEW_REGION)
+                in_region = not kept
+            templates.append(Template(tuple(ops)))
+    return templates
 
 
 def _splits(problem: Problem, block: tuple[str, ...]) -> list[Template]:
