@@ -129,22 +129,22 @@ def write_markdown(rows: list[dict], path: Path) -> None:
 AT_SCALE = "## At LLM scale"
 
 
-PROSE = """**By layers** (the default search; rows *by layers*: recompute only, least FLOPs): plans in 3–30 s up to
-48 layers where the whole-model search took 12–51 s up to 12, every one measured within its budget. A
+PROSE = """**By layers** (the default search; rows *by layers*: recompute only, least FLOPs): plans in 4–31 s up to
+48 layers where the whole-model search took 10–48 s up to 12, every one measured within its budget. A
 layer's menu holds the layer as one region or as two or three one after another (backward then holds one
-part's tensors at a time), regions over stretches of it (an attention's core between its matmuls), its
-cheap ops made again alone or in chains (a GELU's ops from its input, the intermediates delivered on the
-way), measured on each base plan the layers are planned over, and a DP picks one entry per layer over 16384
-buckets of saved bytes. The memory model counts the CPU generator state (5 KB) each region with dropout keeps
-until its recomputation, so the first plan's prediction holds when measured. The least peaks the layers
+part's tensors at a time), regions over stretches of it (an attention's core between its matmuls) or
+over all of it but one kept stretch (an MLP's matmuls), its cheap ops made again alone or in chains (a
+GELU's ops from its input, the intermediates delivered on the way), measured on each base plan the layers
+are planned over, and a DP picks one entry per layer over 16384 buckets of saved bytes. The memory model
+counts the CPU generator state (5 KB) each region with dropout keeps until its recomputation, so the first
+plan's prediction holds when measured. The least peaks the layers
 reach: GPT-2 0.42–0.45× √N's at 6–12 layers, 0.92× at 24 and 0.63× at 48; Llama 0.85–0.92×. Extra FLOPs at
-√N's peak: GPT-2 0.00 / 0.04 / 0.72 / 0.43× √N's at 6 / 12 / 24 / 48 layers, Llama 0.70 / 0.85 / 0.67 /
-0.68× (12 layers: the whole-model search's 0.74× at 6× the plan time; √N's peak leaves Llama 10% of room
-above its minimum, where one entry more or less moves the cost in steps).
+√N's peak: GPT-2 0.00 / 0.04 / 0.72 / 0.43× √N's at 6 / 12 / 24 / 48 layers, Llama 0.70 / 0.69 / 0.65 /
+0.66× (12 layers: below the whole-model search's 0.74×, in a sixth of its plan time).
 
 **Recomputation alone reaches the issue's goal at √N's peak (≤ 0.25× √N's extra FLOPs) on GPT-2 up to 12
-layers, not deeper nor on Llama**, whatever the search: they are 64 wide over 256 tokens, so parameters and gradients, which no plan
-removes, make most of √N's peak, and √N's peak is within 8–16% of the least peak any of our searches finds
+layers, not deeper nor on Llama**, whatever the search: they are 64 wide over 256 tokens, so parameters and
+gradients, which no plan removes, make most of √N's peak, and √N's peak is within 8–16% of the least peak any of our searches finds
 on Llama (8% on 24-layer GPT-2). The layers' own menu says what a quarter of √N's FLOPs would cost: √N runs
 again 0.85 of the 12-layer Llama's forward (1.00 of the 24-layer GPT-2's), so a quarter of it allows each
 layer about a fifth of its forward again, and the cheapest entries that do so keep about 1.2 MiB of each
@@ -158,8 +158,8 @@ knob turned): the plan offloads what is dearest to recompute — on the CPU to t
 more) — and runs no extra FLOPs on GPT-2 at any depth (7–107 MiB offloaded) and 0.32 / 0.00 / 0.05 /
 0.03× √N's on Llama at 6 / 12 / 24 / 48 layers: the goal is met but for 6-layer Llama, where the cost model
 still prices a few recomputed 64-wide matmuls below their tensors' copies. The measured step takes
-0.63–0.81× √N's time on GPT-2 and 0.82–0.88× on Llama (median of 31 interleaved steps, offload copies
-included), within the same budget; priced at 4 GB/s the 12-layer Llama's plan recomputed 0.47× √N's FLOPs
+0.63–0.87× √N's time on GPT-2 and 0.82–0.97× on Llama (median of 31 interleaved steps, offload copies
+included; two runs of the same plans), within the same budget; priced at 4 GB/s the 12-layer Llama's plan recomputed 0.47× √N's FLOPs
 and its step measured 1.09× this one's.
 
 **Reading it (the whole-model rows).** Every plan measures within its budget at every depth. GPT-2 stays well ahead of √N
