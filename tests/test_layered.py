@@ -4,6 +4,7 @@ within budget, with eager's gradients."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -12,13 +13,16 @@ import torch
 import autorecompute
 import models
 from autorecompute.decisions import Op
-from autorecompute.memory_model import TimelineChanges, extra_cost, memory_timeline, predicted_peak
+from autorecompute.memory_model import TimelineChanges, extra_cost, memory_timeline, predicted_peak, rewrite_of
+from autorecompute.passes.apply_plan import clone_graph_module
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import profile_step
+from autorecompute.passes.rewrite_recompute import rewrite_recompute
 from autorecompute.search import Strategies
 from autorecompute.solvers import layered
-from autorecompute.solvers.segment_plans import per_block_plan
+from autorecompute.solvers.segment_plans import per_block_plan, sqrt_n_plan
+from autorecompute.throughputs import CPU_DISK, counting_flops
 from harness import assert_bitwise_equal, measured_step
 
 
@@ -149,3 +153,27 @@ def test_a_menu_entry_changes_the_timeline_as_the_whole_memory_model_says(case):
             whole = np.asarray(memory_timeline(problem, *plan)) - np.asarray(memory_timeline(problem, *base.plan))
             assert delta.tolist() == whole.tolist()
             assert cost == extra_cost(problem, *plan) - extra_cost(problem, *base.plan)
+
+
+@pytest.mark.slow
+def test_at_sqrt_ns_peak_llamas_layers_are_made_again_around_a_kept_stretch():
+    """At the peak √N over the graph's articulation points measures on a 12-layer Llama, the room above the
+    least peak is a tenth of it: the DP finds a plan under that budget only with blocks recomputed but for one
+    stretch kept (an MLP's matmuls), a region on each side of it — no single region or split of a block
+    fits there."""
+    torch.manual_seed(0)
+    case = models.llama(layers=12)
+    gm = capture(case.model, case.args, case.kwargs)
+    profile_step(gm, case.args, case.kwargs)
+    problem = build_problem(gm, device=counting_flops(CPU_DISK))   # least FLOPs, as docs/benchmarks-depth.md
+    sqrt_n = rewrite_recompute(clone_graph_module(gm), rewrite_of(problem, sqrt_n_plan(problem)).words)
+    budget = measured_step(sqrt_n, case.model, case.args, case.kwargs, seed=1).peak
+    planner = layered.planner_of(problem)
+    found = planner.cheapest(budget)
+    assert found is not None and predicted_peak(problem, *found) <= budget
+
+    def kept_between_regions(block) -> bool:
+        pattern = "".join("r" if found[0].get(op) else "k" for op in block if op in problem.recomputable)
+        return re.search("r+k+r", pattern) is not None
+    assert any(kept_between_regions(block) for block in planner.stack.blocks)
+
