@@ -164,6 +164,8 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
             activations.append(act)
             options[act.name] = (option,)
     nodes, chain = facts.nodes, facts.chain
+    chain_nodes = [nodes[op] for op in chain]
+    random_ops = frozenset(node.name for node in chain_nodes if draws_random_numbers(node))
     problem = Problem(
         chain=chain, recomputable=facts.recomputable, cost=facts.cost,
         flops={op: node_info(nodes[op]).flops for op in chain}, activations=tuple(activations),
@@ -172,11 +174,9 @@ def build_problem(gm: torch.fx.GraphModule, *, recompute: bool = True, offload: 
         region_cost=facts.device.seconds_to_cost(facts.device.region_seconds), stash_options=options,
         saves=_saves(facts),
         # random ops (ops that update state are not recomputable at all)
-        unremakeable=frozenset(op for op in chain if regions_only or draws_random_numbers(nodes[op])),
-        random_ops=frozenset(op for op in chain if draws_random_numbers(nodes[op])),
-        rng_state_bytes=_rng_state_bytes([nodes[op] for op in chain]),
-        repeats=repeated_ops([nodes[op] for op in chain], facts.recomputable),
-        blocks=repeated_blocks([nodes[op] for op in chain]),
+        unremakeable=frozenset(chain) if regions_only else random_ops,
+        random_ops=random_ops, rng_state_bytes=_rng_state_bytes(chain_nodes),
+        repeats=repeated_ops(chain_nodes, facts.recomputable), blocks=repeated_blocks(chain_nodes),
         forward_position={op: node_info(nodes[op]).position for op in chain})
     return calibrate(problem, _measured(facts.profile))
 

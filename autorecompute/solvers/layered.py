@@ -9,8 +9,8 @@ as Rockmate and torchtitan's auto_perf_maxing do). So:
    ops at the same costs) and run one after another (forward in order, backward in reverse).
 2. **The menu** (:func:`menu`): block decisions (:class:`Template`) — keep-all, the block as one region,
    one region over each stretch of it (the MLP alone, all but the output...) or over all of it but one
-   stretch, the block as two or three regions one after another (its backward then holds one part's tensors at a time), its ops cheapest per byte
-   recomputed wherever they are, what it holds stashed, every block's decisions in the plans given — and runs
+   stretch, the block as two or three regions one after another (its backward then holds one part's tensors
+   at a time), its ops cheapest per byte recomputed wherever they are, what it holds stashed, every block's decisions in the plans given — and runs
    of blocks recomputed as one region (√N's segments).
 3. **Each entry measured** on the middle blocks in the memory model (:func:`measure`): what it saves
    while the blocks wait for their backward, the memory at their own forward and backward positions, its
@@ -279,12 +279,16 @@ def _selective(problem: Problem, block: tuple[str, ...]) -> list[Template]:
     return templates
 
 
+def _grid(problem: Problem, block: tuple[str, ...]) -> tuple[int, list[bool]]:
+    """(the ops between two of the block's :data:`REGION_GRID` points, whether each of its ops is recomputable)."""
+    return max(1, math.ceil(len(block) / REGION_GRID)), [op in problem.recomputable for op in block]
+
+
 def _regions(problem: Problem, block: tuple[str, ...]) -> list[Template]:
     """One region over each stretch of the block (both ends on a grid of at most :data:`REGION_GRID` points):
     the MLP alone, the attention alone, all but the output...; the block split into regions
     (:func:`_splits`), and recomputed but for one stretch (:func:`_complements`)."""
-    step = max(1, math.ceil(len(block) / REGION_GRID))
-    recomputable = [op in problem.recomputable for op in block]
+    step, recomputable = _grid(problem, block)
     templates = []
     for a in range(0, len(block), step):
         for b in range(a + step, len(block) + step, step):
@@ -297,8 +301,7 @@ def _complements(problem: Problem, block: tuple[str, ...]) -> list[Template]:
     """The block recomputed but for one stretch of one to three grid steps kept (an MLP's matmuls), the parts
     before and after it a region each: where the budget leaves room for one stretch's tensors and the rest of
     the block must be made again."""
-    step = max(1, math.ceil(len(block) / REGION_GRID))
-    recomputable = [op in problem.recomputable for op in block]
+    step, recomputable = _grid(problem, block)
     templates = []
     for a in range(step, len(block), step):
         for b in range(a + step, min(len(block), a + 3 * step) + 1, step):
@@ -314,9 +317,8 @@ def _complements(problem: Problem, block: tuple[str, ...]) -> list[Template]:
 def _splits(problem: Problem, block: tuple[str, ...]) -> list[Template]:
     """The whole block recomputed as two or three regions one after another, cut at grid points: backward
     then holds one part's tensors at a time (the MLP's, then the attention's) where one region holds all."""
-    recomputable = [op in problem.recomputable for op in block]
+    step, recomputable = _grid(problem, block)
     first = recomputable.index(True) if any(recomputable) else 0
-    step = max(1, math.ceil(len(block) / REGION_GRID))
     cuts = sorted({next((k for k in range(c, len(block)) if recomputable[k]), first)
                    for c in range(step, len(block), step)} - {first})
     coarse = cuts[1::2]
