@@ -6,6 +6,9 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import autorecompute
 from autorecompute.passes.capture import capture
@@ -14,6 +17,7 @@ from autorecompute.passes.meta import is_lean_op
 from autorecompute.plan import Plan
 from autorecompute.passes.rewrite_lean_ops import lean_op_nodes, rewrite_lean_ops
 from autorecompute.runtime.cross_entropy import REDUCTIONS, cross_entropy_in_chunks, upcast_by_cross_entropy
+from autorecompute.runtime.memory import LiveStorageTracker
 from harness import assert_bitwise_equal, measured_step
 
 
@@ -66,6 +70,40 @@ def test_transposed_logits_autocast_and_a_gradient_of_the_gradient_are_autograds
                  for f in (F.cross_entropy, lambda x, t: cross_entropy_in_chunks(x, t, chunks=5))]
     assert torch.equal(*gradients)
     assert torch.equal(*[torch.autograd.grad(g.square().sum(), logits)[0] for g in gradients])
+
+
+class _LogSoftmaxes(TorchDispatchMode):
+    """Counts the log-softmaxes run."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._log_softmax.default
+        return func(*args, **(kwargs or {}))
+
+
+def _played(logits: torch.Tensor, target: torch.Tensor, chunks: int) -> tuple[int, int, int]:
+    """(the peak of the loss and its backward, the bytes left, the log-softmaxes run)."""
+    with LiveStorageTracker() as tracker, _LogSoftmaxes() as counted:
+        loss = cross_entropy_in_chunks(logits, target, chunks=chunks)
+        loss.backward()
+        del loss
+    return tracker.peak, tracker.current, counted.count
+
+
+@pytest.mark.parametrize("rows", [37, 40])      # a shorter last chunk; chunks of one size
+def test_a_fake_step_plays_two_chunks_for_the_memory_of_all_and_a_traced_graph_takes_every_chunk(rows):
+    torch.manual_seed(0)
+    logits, target = torch.randn(rows, 517, requires_grad=True), torch.randint(0, 517, (rows,))
+    peak, left, log_softmaxes = _played(logits, target, chunks=8)
+    assert log_softmaxes == 16                  # each chunk's in forward and again in backward
+    with FakeTensorMode() as mode:
+        fake_logits = mode.from_tensor(logits).detach().requires_grad_(True)
+        assert _played(fake_logits, mode.from_tensor(target), chunks=8) == (peak, left, 4)
+    traced = make_fx(lambda x, t: cross_entropy_in_chunks(x, t, chunks=8), tracing_mode="fake")(logits, target)
+    assert sum(node.target is torch.ops.aten._log_softmax.default for node in traced.graph.nodes) == 8
 
 
 class Head(torch.nn.Module):

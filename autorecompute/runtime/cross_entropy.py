@@ -10,11 +10,18 @@ vocabulary-sized tensor less at backward, and the log-softmax's gone from the fo
 The values are autograd's bit for bit: each row's log-softmax and its backward are the same kernels on the same
 row, and the loss is ``nll_loss`` over the same picked log-probabilities in the same order. The price is one
 log-softmax more, a memory-bound pass over the logits (no FLOPs as ``FlopCounterMode`` counts them).
+
+Played on fake tensors (the planner's profile and its verification of a plan), one chunk of each size stands for
+the others: every chunk makes and frees the same tensors in turn, so the memory is the same, and at a 50k
+vocabulary the fifty chunks' ops would be a good part of the step's fake run.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 _aten = torch.ops.aten
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}   # ``aten.cross_entropy_loss``'s reduction codes
@@ -26,7 +33,7 @@ class _CrossEntropyInChunks(torch.autograd.Function):
                 chunks: int, upcast: torch.dtype | None) -> torch.Tensor:
         rows = _rows_per_chunk(logits.shape[0], chunks)
         picked = logits.new_empty((logits.shape[0], 1), dtype=upcast or logits.dtype)
-        for start in range(0, logits.shape[0], rows):
+        for start in _chunk_starts(logits.shape[0], rows):
             part = slice(start, start + rows)
             classes = torch.where(target[part] == ignore_index, 0, target[part]).unsqueeze(1)
             torch.gather(_aten._log_softmax(_cast(logits[part], upcast), 1, False), 1, classes, out=picked[part])
@@ -44,7 +51,7 @@ class _CrossEntropyInChunks(torch.autograd.Function):
         if torch.is_grad_enabled():         # create_graph=True: the same ops, recorded, none written in place
             return _recorded_backward(ctx, grad, logits, target, total_weight), None, None, None, None, None
         result = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        for start in range(0, logits.shape[0], ctx.rows):
+        for start in _chunk_starts(logits.shape[0], ctx.rows):
             part = slice(start, start + ctx.rows)
             log_softmax = _aten._log_softmax(_cast(logits[part], ctx.upcast), 1, False)
             incoming = grad[part] if ctx.reduction == REDUCTIONS["none"] else grad
@@ -79,6 +86,23 @@ def _recorded_backward(ctx, grad: torch.Tensor, logits: torch.Tensor, target: to
 
 def _rows_per_chunk(rows: int, chunks: int) -> int:
     return max(1, -(-rows // max(1, chunks)))
+
+
+def _chunk_starts(total: int, rows: int) -> range | tuple[int, ...]:
+    """The first row of each chunk to run: all of them, or, played on fake tensors, the first chunk and the last
+    (the only one that can be shorter) for the rest."""
+    starts = range(0, total, rows)
+    return (starts[0], starts[-1]) if len(starts) > 2 and _played_on_fake_tensors() else starts
+
+
+def _played_on_fake_tensors() -> bool:
+    """Whether the op runs in a fake step (no values computed), not traced into a graph: a graph traced with
+    fake tensors must still take every chunk."""
+    if torch.compiler.is_compiling():
+        return False
+    modes = _get_current_dispatch_mode_stack()
+    return any(isinstance(mode, FakeTensorMode) for mode in modes) and \
+        not any(isinstance(mode, ProxyTorchDispatchMode) for mode in modes)
 
 
 def _cast(chunk: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
