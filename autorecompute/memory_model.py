@@ -31,7 +31,8 @@ checks both on every assignment of small problems). Regions are the maximal runs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple
+from itertools import repeat
+from typing import Collection, Mapping, NamedTuple
 
 import numpy as np
 
@@ -49,19 +50,51 @@ def region_ids(problem: Problem, recompute: Mapping[str, bool | str]) -> list[in
     checkpoints can follow each other with no kept op between them (an MLP's first matmul recomputed in
     its own region rather than in one with the attention before it: at the MLP's backward only the MLP's
     saved tensors are made again)."""
-    ids, current, previous_on = [], -1, False
-    get, append = recompute.get, ids.append
-    for op, recomputable in zip(problem.chain, _static(problem).recomputable):
-        decision = recomputable and get(op)
-        if decision:
-            if not previous_on or decision == NEW_REGION or decision == REMAKE:
-                current += 1
-            append(current)
-            previous_on = True
-        else:
-            append(-1)
-            previous_on = False
-    return ids
+    return _region_array(problem, recompute).tolist()
+
+
+def _region_array(problem: Problem, recompute: Mapping[str, bool | str]) -> np.ndarray:
+    """:func:`region_ids` as an array (the searches price thousands of plans of thousands of ops)."""
+    chain = problem.chain
+    if not chain:
+        return np.zeros(0, dtype=np.int64)
+    decisions = np.fromiter(map(recompute.get, chain, repeat(0)), dtype=np.int64, count=len(chain))
+    on = _arrays(problem).recomputable & (decisions != 0)
+    starts = on & (np.concatenate(([True], ~on[:-1])) | (decisions >= NEW_REGION))
+    return np.where(on, np.cumsum(starts) - 1, -1)
+
+
+class _Arrays(NamedTuple):
+    """Per chain op, as arrays: whether it is recomputable, whether it saves a tensor (``problem.saves``) and
+    one of its own, its backward position if it saves (``Indexed.saving_end``; -1 otherwise), its recompute
+    cost."""
+
+    recomputable: np.ndarray
+    saves: np.ndarray
+    saves_own: np.ndarray
+    saving_end: np.ndarray
+    cost: np.ndarray
+
+
+def _arrays(problem: Problem) -> _Arrays:
+    def make() -> _Arrays:
+        static, saves, chain = _static(problem), problem.saves or {}, problem.chain
+        return _Arrays(recomputable=np.asarray(static.recomputable, dtype=bool),
+                       saves=np.asarray([op in saves for op in chain], dtype=bool),
+                       saves_own=np.asarray([bool(saves.get(op)) for op in chain], dtype=bool),
+                       saving_end=np.asarray(static.saving_end, dtype=np.int64),
+                       cost=np.asarray([problem.cost.get(op, 0) for op in chain], dtype=np.int64))
+    return problem.derived("memory_model.arrays", make)
+
+
+def _per_region(region: np.ndarray, values: np.ndarray, mask: np.ndarray, reduce, empty: int) -> np.ndarray:
+    """For each region id, ``reduce`` (``np.maximum`` / ``np.minimum``) of ``values`` at its positions where
+    ``mask`` holds; ``empty`` for a region with none."""
+    count = int(region.max()) + 1 if len(region) else 0
+    out = np.full(count, empty, dtype=np.int64)
+    where = mask & (region >= 0)
+    reduce.at(out, region[where], values[where])
+    return out
 
 
 def remakes(problem: Problem, recompute: Mapping[str, bool | str], ids: list[int]) -> dict[int, int]:
@@ -76,11 +109,14 @@ def remakes(problem: Problem, recompute: Mapping[str, bool | str], ids: list[int
     made from to be made again later, for their own backward, instead of holding them through it.
     """
     found: dict[int, int] = {}
-    for k, op in enumerate(problem.chain):
-        if k and ids[k] > 0 and ids[k - 1] == ids[k] - 1 and recompute.get(op) == REMAKE:
-            found[ids[k]] = ids[k - 1]
+    region = np.asarray(ids, dtype=np.int64)
+    # (a region begins right after another only where the ids step by one between neighbours)
+    for k in (np.nonzero((region[1:] > 0) & (region[:-1] == region[1:] - 1))[0] + 1).tolist():
+        if recompute.get(problem.chain[k]) == REMAKE:
+            found[int(region[k])] = int(region[k - 1])
     if not found:
         return found
+    ids = region.tolist()
     unremakeable = {ids[k] for k, op in enumerate(problem.chain) if op in problem.unremakeable and ids[k] >= 0}
     # a region that saves nothing is never recomputed: it would hold the region before's inputs for nothing
     saving = set(found) if problem.saves is None else {
@@ -125,18 +161,19 @@ def rerun_ops(problem: Problem, recompute: Mapping[str, bool]) -> list[str]:
 def _rerun(problem: Problem, ids: list[int], made: Mapping[int, int] | None = None) -> list[str]:
     """:func:`rerun_ops` from the chain's region ids (:func:`region_ids`) and :func:`remakes`."""
     remade = [op for ops in remade_ops(problem, ids, made or {}).values() for op in ops]
+    return [problem.chain[k] for k in np.nonzero(_rerun_mask(problem, np.asarray(ids, dtype=np.int64)))[0]] + remade
+
+
+def _rerun_mask(problem: Problem, region: np.ndarray) -> np.ndarray:
+    """Per chain op, whether its region runs it again (:func:`rerun_ops`, without the remade ops): every op of
+    a region before its last op that saves, and that op where it keeps a tensor of its own."""
     if problem.saves is None:
-        return [op for op, region in zip(problem.chain, ids) if region >= 0] + remade
-    last_saver: dict[int, int] = {}
-    for i, (op, region) in enumerate(zip(problem.chain, ids)):
-        if region >= 0 and op in problem.saves:
-            last_saver[region] = i
-    rerun = []
-    for i, (op, region) in enumerate(zip(problem.chain, ids)):
-        end = last_saver.get(region, -1) if region >= 0 else -1
-        if i < end or (i == end and problem.saves[op]):
-            rerun.append(op)
-    return rerun + remade
+        return region >= 0
+    arrays = _arrays(problem)
+    positions = np.arange(len(region))
+    last_saver = _per_region(region, positions, arrays.saves, np.maximum, -1)
+    end = np.where(region >= 0, last_saver[np.maximum(region, 0)] if len(last_saver) else -1, -1)
+    return (region >= 0) & ((positions < end) | ((positions == end) & arrays.saves_own))
 
 
 @dataclass(frozen=True)
@@ -171,11 +208,9 @@ def region_ends(problem: Problem, region: list[int]) -> dict[int, int] | None:
     ``problem.saves`` is not known (a region input is then held to its ``read_end``)."""
     if problem.saves is None:
         return None
-    ends: dict[int, int] = {}
-    for r, end in zip(region, _static(problem).saving_end):
-        if r >= 0 and end >= 0 and end > ends.get(r, -1):
-            ends[r] = end
-    return ends
+    saving_end = _arrays(problem).saving_end
+    ends = _per_region(np.asarray(region, dtype=np.int64), saving_end, saving_end >= 0, np.maximum, -1)
+    return {r: end for r, end in enumerate(ends.tolist()) if end >= 0}
 
 
 def _holders(static: Indexed, i: int, region: list[int], ends: Mapping[int, int] | None,
@@ -209,26 +244,35 @@ def stash_valid(option, recompute: Mapping[str, bool], stashed: Stash | set[str]
             and not any(name in stashed for name in option.needs_unstashed))
 
 
-def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None) -> dict[str, str]:
+def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None,
+                    only: Collection[str] | None = None) -> dict[str, str]:
     """The stash choices that take effect under ``recompute`` (the others are dropped). A chain
     rematerialization takes effect only when every activation it delivers could be stashed itself and is
-    taken by no other choice."""
-    return _regions(problem, recompute, stash)[3] if stash else {}
+    taken by no other choice. With ``only``, those among the choices for the activations named there: the same
+    as the whole result's, in the time of as many."""
+    if not stash:
+        return {}
+    ids = _region_array(problem, recompute)
+    made = remakes(problem, recompute, ids)
+    return _effective_stash(problem, recompute, stash, ids.tolist(), region_ends(problem, ids), made, only)
 
 
 def _regions(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None, ends_needed: bool = True) \
-        -> tuple[list[int], dict[int, int] | None, dict[int, int], dict[str, str]]:
-    """(:func:`region_ids`, :func:`region_ends`, :func:`remakes`, :func:`effective_stash`) of the decisions;
+        -> tuple[list[int], dict[int, int] | None, dict[int, int], dict[str, str], np.ndarray]:
+    """(:func:`region_ids`, :func:`region_ends`, :func:`remakes`, :func:`effective_stash`, the region ids as an
+    array) of the decisions;
     without ``ends_needed`` the region ends only where a stash needs them (else None: the cost reads none, and
     they take a pass over the chain on the searches' hot path)."""
-    region = region_ids(problem, recompute)
-    ends = region_ends(problem, region) if ends_needed or stash else None
-    made = remakes(problem, recompute, region)
-    return region, ends, made, _effective_stash(problem, recompute, stash, region, ends, made)
+    ids = _region_array(problem, recompute)
+    ends = region_ends(problem, ids) if ends_needed or stash else None
+    made = remakes(problem, recompute, ids)
+    region = ids.tolist()
+    return region, ends, made, _effective_stash(problem, recompute, stash, region, ends, made), ids
 
 
 def _effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None, region: list[int],
-                     ends: Mapping[int, int] | None, made: Mapping[int, int]) -> dict[str, str]:
+                     ends: Mapping[int, int] | None, made: Mapping[int, int],
+                     only: Collection[str] | None = None) -> dict[str, str]:
     """:func:`effective_stash` from the decisions' :func:`region_ids`, :func:`region_ends` and :func:`remakes`."""
     if not stash:
         return {}
@@ -240,6 +284,8 @@ def _effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Sta
         for taken_name in (name, *option.delivers):
             taken[taken_name] = taken.get(taken_name, 0) + 1
     stashed = set(taken)
+    if only is not None:        # (what is taken counts every choice; only these are judged)
+        chosen = {name: chosen[name] for name in only if name in chosen}
 
     def can_stash(i: int) -> bool:
         _, as_input, by_saver, _ = _holders(static, i, region, ends, made)
@@ -273,15 +319,15 @@ class _Decided(NamedTuple):
     effective: dict[str, str]
     made_by: dict[str, object]
     region_last: list[int]       # per chain index: the last chain index of its op's region
+    ids: np.ndarray              # ``region`` as an array
 
 
 def _decided(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None) -> _Decided:
-    region, ends, made, effective = _regions(problem, recompute, stash)
-    region_last = list(range(len(region)))
-    for k in range(len(region) - 2, -1, -1):
-        if region[k] >= 0 and region[k + 1] == region[k]:
-            region_last[k] = region_last[k + 1]
-    return _Decided(region, ends, made, effective, delivered(problem, effective), region_last)
+    region, ends, made, effective, ids = _regions(problem, recompute, stash)
+    positions = np.arange(len(region))
+    last = _per_region(ids, positions, ids >= 0, np.maximum, -1)
+    region_last = np.where(ids >= 0, last[np.maximum(ids, 0)] if len(last) else positions, positions)
+    return _Decided(region, ends, made, effective, delivered(problem, effective), region_last.tolist(), ids)
 
 
 def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None):
@@ -362,7 +408,7 @@ class TimelineChanges:
     def __init__(self, problem: Problem, base: tuple):
         self.problem, self.base = problem, base
         self.before = _decided(problem, *base)
-        self.base_cost = _extra_cost(problem, self.before.region, self.before.made, self.before.effective)
+        self.base_cost = _extra_cost(problem, self.before.ids, self.before.made, self.before.effective)
         self.spans = _region_spans(self.before)
         self.before_bytes: dict[tuple[int, ...], np.ndarray] = {}
         self.before_rng = _rng_state_bytes(problem, self.before)
@@ -371,7 +417,7 @@ class TimelineChanges:
         """(the timeline's change, :func:`extra_cost`'s change)."""
         problem, before = self.problem, self.before
         after = _decided(problem, *changed)
-        cost = _extra_cost(problem, after.region, after.made, after.effective) - self.base_cost
+        cost = _extra_cost(problem, after.ids, after.made, after.effective) - self.base_cost
         if before.made or after.made:
             return (np.asarray(memory_timeline(problem, *changed), dtype=np.int64)
                     - np.asarray(memory_timeline(problem, *self.base), dtype=np.int64)), cost
@@ -385,7 +431,8 @@ class TimelineChanges:
 
     def _touched(self, after: _Decided) -> list[int]:
         before, touching = self.before, _touching(self.problem)
-        changed = [k for k, (a, b) in enumerate(zip(self.spans, _region_spans(after))) if a != b]
+        first, last = _region_spans(after)
+        changed = np.nonzero((first != self.spans[0]) | (last != self.spans[1]))[0].tolist()
         names = {n for n in before.effective.keys() | after.effective.keys()
                  if before.effective.get(n) != after.effective.get(n)}
         names |= {n for n in before.made_by.keys() | after.made_by.keys()
@@ -394,13 +441,14 @@ class TimelineChanges:
         return sorted({i for k in changed for i in touching[k]} | {by_name[n] for n in names if n in by_name})
 
 
-def _region_spans(decided: _Decided) -> list[tuple[int, int]]:
-    """Per chain index, the first and last chain index of its op's region ((-1, -1): kept)."""
-    first, spans = -1, []
-    for k, r in enumerate(decided.region):
-        first = -1 if r < 0 else first if k and decided.region[k - 1] == r else k
-        spans.append((first, decided.region_last[k]) if r >= 0 else (-1, -1))
-    return spans
+def _region_spans(decided: _Decided) -> tuple[np.ndarray, np.ndarray]:
+    """Per chain index, the first and the last chain index of its op's region (-1 and -1: kept)."""
+    ids = decided.ids
+    positions = np.arange(len(ids))
+    first = _per_region(ids, positions, ids >= 0, np.minimum, len(ids))
+    kept = ids < 0
+    return (np.where(kept, -1, first[np.maximum(ids, 0)] if len(first) else -1),
+            np.where(kept, -1, np.asarray(decided.region_last, dtype=np.int64)))
 
 
 def _touching(problem: Problem) -> list[list[int]]:
@@ -544,14 +592,17 @@ def _cost_of(problem: Problem, effective: Stash) -> int:
 def extra_cost(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None) -> int:
     """The solver's objective: the recompute cost of the ops run again (:func:`rerun_ops`), ``region_cost``
     per recomputed region, and the cost of the stash choices that take effect."""
-    region, _, made, effective = _regions(problem, recompute, stash, ends_needed=False)
-    return _extra_cost(problem, region, made, effective)
+    _, _, made, effective, ids = _regions(problem, recompute, stash, ends_needed=False)
+    return _extra_cost(problem, ids, made, effective)
 
 
-def _extra_cost(problem: Problem, region: list[int], made: Mapping[int, int], effective: Stash) -> int:
-    """:func:`extra_cost` from the decisions' :func:`region_ids`, :func:`remakes` and effective stash."""
-    ops = sum(problem.cost[op] for op in _rerun(problem, region, made))
-    return ops + problem.region_cost * (max(region, default=-1) + 1) + _cost_of(problem, effective)
+def _extra_cost(problem: Problem, region: np.ndarray, made: Mapping[int, int], effective: Stash) -> int:
+    """:func:`extra_cost` from the decisions' :func:`region_ids` (an array), :func:`remakes` and effective
+    stash."""
+    remade = [op for ops in remade_ops(problem, region.tolist(), made).values() for op in ops] if made else []
+    ops = int(_arrays(problem).cost[_rerun_mask(problem, region)].sum()) + sum(problem.cost[op] for op in remade)
+    regions = int(region.max()) + 1 if len(region) else 0
+    return ops + problem.region_cost * regions + _cost_of(problem, effective)
 
 
 def rewrite_of(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None,

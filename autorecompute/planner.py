@@ -303,7 +303,8 @@ def _solve(model: torch.nn.Module, gm: torch.fx.GraphModule, profile, args: tupl
     log.info("plan: %s predicted under %s (unoptimized %s), +%.1f%% FLOPs, %s; %.2f s", format_bytes(peak),
              format_bytes(budget_bytes), format_bytes(baseline_peak), 100 * plan.extra_flops_ratio, found.status,
              plan.plan_time)
-    log.debug("plan: %s", plan.summary())
+    if log.isEnabledFor(logging.DEBUG):     # (the summary of thousands of ops takes a tenth of a second)
+        log.debug("plan: %s", plan.summary())
     if key:
         plan_cache.store(key, plan)     # (nothing when the cache is off)
     if options.engine == "torch.compile":

@@ -11,7 +11,7 @@ A plan here is a pair ``(recompute, stash)``: op → bool and activation → sta
 from __future__ import annotations
 
 import random
-from typing import Callable
+from typing import Callable, Collection
 
 from autorecompute.decisions import Move, MoveKind, Op
 from autorecompute.memory_model import (NEW_REGION, REMAKE, effective_stash, extra_cost, held_at, memory_timeline,
@@ -74,10 +74,19 @@ def stash_all(problem: Problem, recompute: dict[str, bool], prefer: str = "memor
     return effective_stash(problem, recompute, {name: o.action for name, o in choices.items()})
 
 
-def stash_chains(problem: Problem, recompute: dict[str, bool]) -> dict[str, str]:
+def stash_chains(problem: Problem, recompute: dict[str, bool], only: Collection[str] | None = None) \
+        -> dict[str, str]:
     """Chain rematerializations, the latest activations first, each where nothing it delivers or reads is
     taken yet; then every other held activation its least-memory single-op way where that undoes no chain.
-    On a Linear + activation stack this keeps one linear output in two (each chain reads the one before)."""
+    On a Linear + activation stack this keeps one linear output in two (each chain reads the one before).
+    With ``only``, those of the activations named there (:func:`effective_stash`'s ``only``)."""
+    return effective_stash(problem, recompute, problem.derived("greedy.stash_chains", lambda: _chains(problem)),
+                           only)
+
+
+def _chains(problem: Problem) -> dict[str, str]:
+    """:func:`stash_chains`' choices before the decisions drop those that cannot take effect: the same for
+    every plan of a problem."""
     taken: set[str] = set()      # stashed, or delivered by a chain
     pinned: set[str] = set()     # read by a chosen recipe: stays on the device
     choices: dict[str, str] = {}
@@ -100,7 +109,7 @@ def stash_chains(problem: Problem, recompute: dict[str, bool]) -> dict[str, str]
             choices[act.name] = option.action
             taken.add(act.name)
             pinned |= set(option.needs_unstashed)
-    return effective_stash(problem, recompute, choices)
+    return choices
 
 
 def span_plans(problem: Problem, max_cuts: int = 24, max_segments: int = 3) -> list[dict[str, bool]]:

@@ -252,8 +252,9 @@ def _stash_variants(problem: Problem, stack: Stack, template: Template) -> list[
     for fraction in STASH_FRACTIONS:
         chosen = {name: action for _, name, action in ranked[:max(1, round(fraction * len(ranked)))]}
         variants.append(template_of(stack, m, (recompute, effective_stash(problem, recompute, chosen))))
-    if ranked:
-        variants.append(template_of(stack, m, (recompute, stash_chains(problem, recompute))))
+    if ranked:      # (the block's choices among the whole model's: a chain may reach across its edges)
+        chains = stash_chains(problem, recompute, only=stack.activations[m].values())
+        variants.append(template_of(stack, m, (recompute, chains)))
     return list(dict.fromkeys(v for v in variants if v != template)) if ranked else []
 
 
