@@ -409,37 +409,60 @@ def choose(entries: list[Measured], own: list[np.ndarray], outside: np.ndarray, 
     blocks = len(outside) - 1
     unit = max(1, max(max(e.saving for e in entries), 1) * blocks // SAVING_STEPS)
     steps = [round(e.saving / unit) for e in entries]
-    low, high = min(0, *steps) * blocks, max(0, *steps) * blocks
-    never = np.iinfo(np.int64).max // 4
-    cost = [np.full(high - low + 1, never, dtype=np.int64) for _ in range(blocks + 1)]
-    saved = [np.zeros(high - low + 1, dtype=np.int64) for _ in range(blocks + 1)]  # exact bytes saved
-    pick = [np.full(high - low + 1, -1) for _ in range(blocks + 1)]
-    came = [np.full(high - low + 1, -1) for _ in range(blocks + 1)]
-    cost[0][-low] = 0
+    low, high = min(0, *steps), max(0, *steps)
+    # row j holds the bucket sums j blocks can reach, j * low to j * high, at index sum - j * low
+    table = _Table([j * (high - low) + 1 for j in range(blocks + 1)])
+    moves = [(t, e.width, step - e.width * low, e.cost, e.saving) for t, (e, step) in enumerate(zip(entries, steps))]
+    own_by_block = np.stack(own, axis=1).tolist()       # [j][t]: Python ints, compared thousands of times
+    table.cost[0][0] = 0
     for j in range(blocks + 1):
-        cost[j][outside[j] - saved[j] > budget] = never
+        table.cost[j][outside[j] - table.saved[j] > budget] = NEVER
         if j == blocks:
             break
-        live = np.nonzero(cost[j] < never)[0]       # (the states reached: far fewer than the buckets early on)
-        room, live_cost, live_saved = budget + saved[j][live], cost[j][live], saved[j][live]
-        most_room = room.max(initial=-never)
-        for t, entry in enumerate(entries):
-            if j + entry.width > blocks or own[t][j] > most_room:
+        table.advance(j, budget, [move for move in moves if j + move[1] <= blocks], own_by_block[j])
+    return _path(entries, table.cost[blocks], table.pick, table.came)
+
+
+NEVER = np.iinfo(np.int64).max // 4     # the cost of a state not reached
+
+
+class _Table:
+    """:func:`choose`'s states: per number of blocks covered and bucket, the cheapest path's cost, its exact
+    saving, its last entry and the bucket it came from."""
+
+    def __init__(self, sizes: list[int]):
+        self.cost = [np.full(size, NEVER, dtype=np.int64) for size in sizes]
+        self.saved = [np.zeros(size, dtype=np.int64) for size in sizes]
+        self.pick = [np.full(size, -1, dtype=np.int32) for size in sizes]
+        self.came = [np.full(size, -1, dtype=np.int32) for size in sizes]
+
+    def advance(self, j: int, budget: int, moves: list[tuple], peaks: list[int]) -> None:
+        """Every move (entry, width, bucket shift, cost, saving) from the states after ``j`` blocks whose
+        entry's peak there (``peaks[t]``) fits their room: a state it reaches keeps it where it is cheaper,
+        or as cheap and saving more (the earlier entry on a tie)."""
+        live = np.nonzero(self.cost[j] < NEVER)[0]       # (the states reached: far fewer than the buckets early on)
+        room, live_cost, live_saved = budget + self.saved[j][live], self.cost[j][live], self.saved[j][live]
+        least_room, most_room = room.min(initial=NEVER), room.max(initial=-NEVER)
+        for t, width, shift, cost, saving in moves:
+            if peaks[t] > most_room:
                 continue
-            fits = own[t][j] <= room
-            origin, to = live[fits], j + entry.width
-            target, total, after = origin + steps[t], live_cost[fits] + entry.cost, live_saved[fits] + entry.saving
-            better = (total < cost[to][target]) | ((total == cost[to][target]) & (after > saved[to][target]))
-            target, origin = target[better], origin[better]
-            cost[to][target], saved[to][target], pick[to][target], came[to][target] = \
-                total[better], after[better], t, origin
-    return _path(entries, cost[blocks], pick, came, never)
+            if peaks[t] <= least_room:      # (every state: no mask)
+                origin, total, after = live, live_cost + cost, live_saved + saving
+            else:
+                fits = room >= peaks[t]
+                origin, total, after = live[fits], live_cost[fits] + cost, live_saved[fits] + saving
+            to, target = j + width, origin + shift
+            current = self.cost[to][target]
+            better = (total < current) | ((total == current) & (after > self.saved[to][target]))
+            target = target[better]
+            self.cost[to][target], self.saved[to][target] = total[better], after[better]
+            self.pick[to][target], self.came[to][target] = t, origin[better]
 
 
-def _path(entries: list[Measured], final: np.ndarray, pick: list, came: list, never: int) -> list[int] | None:
+def _path(entries: list[Measured], final: np.ndarray, pick: list, came: list) -> list[int] | None:
     """The entries of the cheapest final state, first block first."""
     state = int(np.argmin(final))
-    if final[state] >= never:
+    if final[state] >= NEVER:
         return None
     j, picks = len(pick) - 1, []
     while j > 0:
