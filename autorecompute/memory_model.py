@@ -97,7 +97,8 @@ def _per_region(region: np.ndarray, values: np.ndarray, mask: np.ndarray, reduce
     return out
 
 
-def remakes(problem: Problem, recompute: Mapping[str, bool | str], ids: list[int]) -> dict[int, int]:
+def remakes(problem: Problem, recompute: Mapping[str, bool | str], ids: list[int] | np.ndarray) \
+        -> dict[int, int]:
     """Region → the region before it, for each region that begins with an op decided :data:`REMAKE` right
     after another region none of whose ops is in ``problem.unremakeable`` and that remakes nothing itself,
     and saves a tensor for backward (else it is never recomputed).
@@ -201,7 +202,7 @@ class Timeline:
 Stash = Mapping[str, str]   # activation name → StashOption.action
 
 
-def region_ends(problem: Problem, region: list[int]) -> dict[int, int] | None:
+def region_ends(problem: Problem, region: list[int] | np.ndarray) -> dict[int, int] | None:
     """For each recomputed region, the last backward position of an op in it that saves a tensor: its
     checkpoint holds its inputs until then (every saved tensor of the region refers to the checkpoint's
     frame, which refers to the inputs); a region that saves nothing holds nothing. None when
