@@ -1,6 +1,6 @@
 """Planning at LLM scale on the meta device: plan time by depth, quality against per-layer checkpointing.
 
-    python benchmarks/depth_meta.py     # about 6 min on 2 cores; writes benchmarks/results/depth_meta.json
+    python benchmarks/depth_meta.py     # about 15 min on 2 cores; writes benchmarks/results/depth_meta.json
                                         # and its table in docs/benchmarks-depth.md (--docs-only: the table
                                         # again from that file)
 
@@ -10,7 +10,8 @@ batch 1 × 4096 tokens, labels) at 12 and 32 layers, all built on ``meta`` and p
 default settings (no time limit given: planned by layers).
 
 * **Plan time** at ``budget=0.5`` (0.75 for the Llama shapes and the 6-layer GPT-2, whose minima are above
-  half): the whole call, capture and profile included, and the stages' times.
+  half): the whole call, capture and profile included, and the stages' times; the median of :data:`ROUNDS`
+  runs, each in a process of its own.
 * **Quality**: per-layer checkpointing (Hugging Face's ``gradient_checkpointing_enable()``: every layer one
   region) planned and measured on the same fake step, with autograd's cross-entropy and softmaxes as Hugging
   Face runs them; then our plan with that peak as the budget, and its extra FLOPs against per-layer
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -43,6 +45,7 @@ from autorecompute.solvers.segment_plans import per_block_plan  # noqa: E402
 GPT2_DEPTHS = (6, 12, 24, 32, 48, 96)
 LLAMA_DEPTHS = (12, 32)
 QUALITY = {("gpt2", 12), ("gpt2", 32), ("llama", 12), ("llama", 32)}
+ROUNDS = 3          # plan-time runs of each case
 
 
 def model_of(kind: str, layers: int):
@@ -103,7 +106,7 @@ def budget_of(kind: str, layers: int) -> float:
     return 0.5 if kind == "gpt2" and layers >= 12 else 0.75
 
 
-def row(kind: str, layers: int) -> dict:
+def row(kind: str, layers: int, quality: bool = True) -> dict:
     model, args, kwargs = model_of(kind, layers)
     stages = _Stages()
     logger = logging.getLogger("autorecompute")
@@ -117,7 +120,7 @@ def row(kind: str, layers: int) -> dict:
               "baseline_peak": plan.baseline_peak, "budget": plan.budget, "predicted_peak": plan.predicted_peak,
               "minimum_peak": plan.minimum_peak, "extra_flops_ratio": plan.extra_flops_ratio,
               "status": plan.solver_status, "stages": stages.lines}
-    if (kind, layers) in QUALITY:
+    if quality and (kind, layers) in QUALITY:
         peak, flops = per_layer(model, args, kwargs)
         ours = autorecompute.plan(model, *args, budget=peak, actions=("recompute",), **kwargs)
         result.update(per_layer_peak=peak, per_layer_extra_flops=flops, ours_at_per_layer_peak=ours.predicted_peak,
@@ -134,9 +137,15 @@ def table(rows: list[dict]) -> str:
                    f"{r['per_layer_extra_flops'] / 1e12:.2f} TFLOP)") if "quality" in r else "—"
         per_layer_peak = format_bytes(r["per_layer_peak"]) if "per_layer_peak" in r else "—"
         lines.append(f"| {r['model']} | {r['layers']} | {r['ops']} | {format_bytes(r['baseline_peak'])} | "
-                     f"{format_bytes(r['budget'])} | {r['plan_seconds']:.1f} s | {100 * r['extra_flops_ratio']:.1f}% | "
+                     f"{format_bytes(r['budget'])} | {_plan_time(r)} | {100 * r['extra_flops_ratio']:.1f}% | "
                      f"{format_bytes(r['minimum_peak'])} | {per_layer_peak} | {quality} |")
     return "\n".join(lines)
+
+
+def _plan_time(r: dict) -> str:
+    """The median plan time, with the range of the runs."""
+    runs = r.get("plan_seconds_runs", [r["plan_seconds"]])
+    return f"{r['plan_seconds']:.1f} s" + (f" ({min(runs):.1f}–{max(runs):.1f})" if len(runs) > 1 else "")
 
 
 DOC = ROOT / "docs" / "benchmarks-depth.md"
@@ -155,13 +164,24 @@ def write_doc(rows: list[dict]) -> None:
     DOC.write_text(text)
 
 
-def row_in_a_process_of_its_own(kind: str, layers: int) -> dict:
+def row_in_a_process_of_its_own(kind: str, layers: int, quality: bool = True) -> dict:
     """:func:`row` in a fresh interpreter, as a training script plans its one model (in one process, each
     model's plan time grew with the graphs planned before it)."""
-    done = subprocess.run([sys.executable, __file__, "--row", kind, str(layers)], check=True, capture_output=True,
-                          text=True)
+    done = subprocess.run([sys.executable, __file__, "--row", kind, str(layers)] + ([] if quality else ["--plan-only"]),
+                          check=True, capture_output=True, text=True)
     print(done.stdout.splitlines()[-1], flush=True)
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def rows_timed(cases: list[tuple[str, int]]) -> list[dict]:
+    """Each case's row, its plan time the median of :data:`ROUNDS` runs: round after round over all the cases,
+    so that the shared machine's slow minutes spread over them (its speed varies by half within an hour)."""
+    rows = [row_in_a_process_of_its_own(kind, layers) for kind, layers in cases]
+    runs = [[r["plan_seconds"]] for r in rows]
+    for _ in range(ROUNDS - 1):
+        for times, (kind, layers) in zip(runs, cases):
+            times.append(row_in_a_process_of_its_own(kind, layers, quality=False)["plan_seconds"])
+    return [{**r, "plan_seconds": statistics.median(times), "plan_seconds_runs": times} for r, times in zip(rows, runs)]
 
 
 def main() -> None:
@@ -170,10 +190,9 @@ def main() -> None:
         return
     if "--row" in sys.argv:             # one row, its JSON the last line printed
         kind, layers = sys.argv[sys.argv.index("--row") + 1:][:2]
-        print(json.dumps(row(kind, int(layers))))
+        print(json.dumps(row(kind, int(layers), quality="--plan-only" not in sys.argv)))
         return
-    rows = [row_in_a_process_of_its_own("gpt2", n) for n in GPT2_DEPTHS] + \
-        [row_in_a_process_of_its_own("llama", n) for n in LLAMA_DEPTHS]
+    rows = rows_timed([("gpt2", n) for n in GPT2_DEPTHS] + [("llama", n) for n in LLAMA_DEPTHS])
     RESULTS.write_text(json.dumps(rows, indent=1))
     write_doc(rows)
     print(table(rows))
