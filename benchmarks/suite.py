@@ -37,14 +37,10 @@ from autorecompute.passes.build_problem import build_problem  # noqa: E402
 from autorecompute.passes.capture import capture  # noqa: E402
 from autorecompute.passes.profile import profile_step  # noqa: E402
 from autorecompute.passes.rewrite_calls import rewrite_calls  # noqa: E402
-from autorecompute.passes.rewrite_recompute import rewrite_recompute  # noqa: E402
 from autorecompute.passes.verify import fake_step_memory  # noqa: E402
-from autorecompute.memory_model import rewrite_of  # noqa: E402
-from autorecompute.passes.apply_plan import clone_graph_module  # noqa: E402
 from autorecompute.runtime.memory import run_step  # noqa: E402
-from autorecompute.solvers.segment_plans import sqrt_n_plan  # noqa: E402
 from compile_budget import NO_DROPOUT, make_case  # noqa: E402
-from harness import measured_step  # noqa: E402
+from harness import measured_step, sqrt_n_rewrite  # noqa: E402
 from report import LONGER_FACTOR, LONGER_SOLVE, compile_gradients_exact  # noqa: E402
 
 SEQUENTIAL_BLOCKS = {"gpt": "blocks", "mlp": "layers", "resnet": "layers", "vgg": "features"}
@@ -141,7 +137,7 @@ def sqrt_n_module(case):
     gm = capture(case.model, case.args, case.kwargs)
     profile_step(gm, case.args, case.kwargs)
     problem = build_problem(gm)
-    return rewrite_calls(rewrite_recompute(clone_graph_module(gm), rewrite_of(problem, sqrt_n_plan(problem)).words))
+    return rewrite_calls(sqrt_n_rewrite(gm, problem))
 
 
 def minimum_peak(case, limit: float, actions: tuple[str, ...] = RECOMPUTE) -> int:

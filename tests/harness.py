@@ -1,4 +1,5 @@
-"""Measured training steps for the tests: real tensors, live-storage tracker, gradients collected."""
+"""Measured training steps for the tests: real tensors, live-storage tracker, gradients collected; and the
+√N baseline they are held against."""
 from __future__ import annotations
 
 import contextlib
@@ -7,8 +8,19 @@ from typing import Iterator
 
 import torch
 
+from autorecompute.memory_model import rewrite_of
+from autorecompute.passes.apply_plan import clone_graph_module
+from autorecompute.passes.rewrite_recompute import rewrite_recompute
+from autorecompute.problem import Problem
 from autorecompute.runtime.memory import (LiveStorageTracker, hold_while_alive, output_tensors_for_backward,
                                           tensor_bytes)
+from autorecompute.solvers.segment_plans import sqrt_n_plan
+
+
+def sqrt_n_rewrite(gm: torch.fx.GraphModule, problem: Problem) -> torch.fx.GraphModule:
+    """√N segments over the graph's articulation points (``segment_plans.sqrt_n_plan``) on a copy of the
+    captured and profiled ``gm`` whose problem is ``problem``."""
+    return rewrite_recompute(clone_graph_module(gm), rewrite_of(problem, sqrt_n_plan(problem)).words)
 
 
 @dataclass

@@ -13,17 +13,15 @@ import torch
 import autorecompute
 import models
 from autorecompute.decisions import Op
-from autorecompute.memory_model import TimelineChanges, extra_cost, memory_timeline, predicted_peak, rewrite_of
-from autorecompute.passes.apply_plan import clone_graph_module
+from autorecompute.memory_model import TimelineChanges, extra_cost, memory_timeline, predicted_peak
 from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import profile_step
-from autorecompute.passes.rewrite_recompute import rewrite_recompute
 from autorecompute.search import Strategies
 from autorecompute.solvers import layered
-from autorecompute.solvers.segment_plans import per_block_plan, sqrt_n_plan
+from autorecompute.solvers.segment_plans import per_block_plan
 from autorecompute.throughputs import CPU_DISK, counting_flops
-from harness import assert_bitwise_equal, measured_step
+from harness import assert_bitwise_equal, measured_step, sqrt_n_rewrite
 
 
 def _problem(case: models.Case, **options):
@@ -166,7 +164,7 @@ def test_at_sqrt_ns_peak_llamas_layers_are_made_again_around_a_kept_stretch():
     gm = capture(case.model, case.args, case.kwargs)
     profile_step(gm, case.args, case.kwargs)
     problem = build_problem(gm, device=counting_flops(CPU_DISK))   # least FLOPs, as docs/benchmarks-depth.md
-    sqrt_n = rewrite_recompute(clone_graph_module(gm), rewrite_of(problem, sqrt_n_plan(problem)).words)
+    sqrt_n = sqrt_n_rewrite(gm, problem)
     budget = measured_step(sqrt_n, case.model, case.args, case.kwargs, seed=1).peak
     planner = layered.planner_of(problem)
     found = planner.cheapest(budget)
@@ -176,4 +174,3 @@ def test_at_sqrt_ns_peak_llamas_layers_are_made_again_around_a_kept_stretch():
         pattern = "".join("r" if found[0].get(op) else "k" for op in block if op in problem.recomputable)
         return re.search("r+k+r", pattern) is not None
     assert any(kept_between_regions(block) for block in planner.stack.blocks)
-

@@ -14,9 +14,8 @@ from autorecompute.passes.rewrite_recompute import rewrite_recompute
 from autorecompute.memory_model import rewrite_of
 from autorecompute.passes.apply_plan import clone_graph_module
 from autorecompute.runtime.memory import run_step
-from autorecompute.solvers.segment_plans import sqrt_n_plan
 from conftest import SOLVER_TIME
-from harness import measured_step, rng_states_counted
+from harness import measured_step, rng_states_counted, sqrt_n_rewrite
 
 
 def step_flops(module, case) -> int:
@@ -59,7 +58,7 @@ def test_twelve_gpt2_layers_planned_by_layers_run_under_a_quarter_of_sqrt_ns_flo
     gm = capture(model, case.args, case.kwargs)
     profile_step(gm, case.args, case.kwargs)
     problem = build_problem(gm)
-    sqrt_n = rewrite_recompute(clone_graph_module(gm), rewrite_of(problem, sqrt_n_plan(problem)).words)
+    sqrt_n = sqrt_n_rewrite(gm, problem)
     eager_flops = step_flops(model, case)
     sqrt_n_peak = measured_step(sqrt_n, model, case.args, case.kwargs, seed=1).peak
     sqrt_n_extra = step_flops(sqrt_n, case) - eager_flops
@@ -132,7 +131,7 @@ def test_fits_wherever_sqrt_n_over_articulation_points_fits():
     gm = capture(model, case.args, kwargs)
     profile_step(gm, case.args, kwargs)
     problem = build_problem(gm)
-    sqrt_n = rewrite_recompute(clone_graph_module(gm), rewrite_of(problem, sqrt_n_plan(problem)).words)
+    sqrt_n = sqrt_n_rewrite(gm, problem)
     sqrt_n_peak = measured_step(sqrt_n, model, case.args, kwargs, seed=1).peak
     eager = measured_step(model, model, case.args, kwargs, seed=1)
     compiled = autorecompute.compile(model, budget=sqrt_n_peak, actions=("recompute",), solver_time_limit=SOLVER_TIME)
@@ -166,7 +165,7 @@ def test_the_minimum_peak_plan_cuts_runs_into_regions_and_measures_what_it_says(
     gm = capture(model, case.args, case.kwargs)
     profile_step(gm, case.args, case.kwargs)
     problem = build_problem(gm)
-    sqrt_n = rewrite_recompute(clone_graph_module(gm), rewrite_of(problem, sqrt_n_plan(problem)).words)
+    sqrt_n = sqrt_n_rewrite(gm, problem)
     assert ours.peak <= 0.8 * measured_step(sqrt_n, model, case.args, case.kwargs).peak
 
 
