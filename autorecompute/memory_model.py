@@ -251,14 +251,11 @@ def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stas
     rematerialization takes effect only when every activation it delivers could be stashed itself and is
     taken by no other choice. With ``only``, those among the choices for the activations named there: the same
     as the whole result's, in the time of as many."""
-    if not stash:
-        return {}
-    ids = _region_array(problem, recompute)
-    made = remakes(problem, recompute, ids)
-    return _effective_stash(problem, recompute, stash, ids.tolist(), region_ends(problem, ids), made, only)
+    return _regions(problem, recompute, stash, only=only)[3] if stash else {}
 
 
-def _regions(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None, ends_needed: bool = True) \
+def _regions(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None, ends_needed: bool = True,
+             only: Collection[str] | None = None) \
         -> tuple[list[int], dict[int, int] | None, dict[int, int], dict[str, str], np.ndarray]:
     """(:func:`region_ids`, :func:`region_ends`, :func:`remakes`, :func:`effective_stash`, the region ids as an
     array) of the decisions;
@@ -268,7 +265,7 @@ def _regions(problem: Problem, recompute: Mapping[str, bool], stash: Stash | Non
     ends = region_ends(problem, ids) if ends_needed or stash else None
     made = remakes(problem, recompute, ids)
     region = ids.tolist()
-    return region, ends, made, _effective_stash(problem, recompute, stash, region, ends, made), ids
+    return region, ends, made, _effective_stash(problem, recompute, stash, region, ends, made, only), ids
 
 
 def _effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None, region: list[int],

@@ -167,8 +167,9 @@ def write_doc(rows: list[dict]) -> None:
 def row_in_a_process_of_its_own(kind: str, layers: int, quality: bool = True) -> dict:
     """:func:`row` in a fresh interpreter, as a training script plans its one model (in one process, each
     model's plan time grew with the graphs planned before it)."""
-    done = subprocess.run([sys.executable, __file__, "--row", kind, str(layers)] + ([] if quality else ["--plan-only"]),
-                          check=True, capture_output=True, text=True)
+    plan_only = [] if quality else ["--plan-only"]
+    done = subprocess.run([sys.executable, __file__, "--row", kind, str(layers), *plan_only], check=True,
+                          capture_output=True, text=True)
     print(done.stdout.splitlines()[-1], flush=True)
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -181,7 +182,8 @@ def rows_timed(cases: list[tuple[str, int]]) -> list[dict]:
     for _ in range(ROUNDS - 1):
         for times, (kind, layers) in zip(runs, cases):
             times.append(row_in_a_process_of_its_own(kind, layers, quality=False)["plan_seconds"])
-    return [{**r, "plan_seconds": statistics.median(times), "plan_seconds_runs": times} for r, times in zip(rows, runs)]
+    return [{**r, "plan_seconds": statistics.median(times), "plan_seconds_runs": times}
+            for r, times in zip(rows, runs)]
 
 
 def main() -> None:

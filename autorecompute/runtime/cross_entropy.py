@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from autorecompute.runtime.memory import in_fake_step
 
 _aten = torch.ops.aten
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}   # ``aten.cross_entropy_loss``'s reduction codes
@@ -98,11 +99,9 @@ def _chunk_starts(total: int, rows: int) -> range | tuple[int, ...]:
 def _played_on_fake_tensors() -> bool:
     """Whether the op runs in a fake step (no values computed), not traced into a graph: a graph traced with
     fake tensors must still take every chunk."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not in_fake_step():
         return False
-    modes = _get_current_dispatch_mode_stack()
-    return any(isinstance(mode, FakeTensorMode) for mode in modes) and \
-        not any(isinstance(mode, ProxyTorchDispatchMode) for mode in modes)
+    return not any(isinstance(mode, ProxyTorchDispatchMode) for mode in _get_current_dispatch_mode_stack())
 
 
 def _cast(chunk: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
@@ -124,6 +124,12 @@ class LiveStorageTracker(TorchDispatchMode):
         if level > self._window_peak:
             self._window_peak = level
         return out
+
+
+def in_fake_step() -> bool:
+    """Whether a fake step runs (the planner's profile, its verification of a plan): a ``FakeTensorMode`` on
+    the dispatch-mode stack."""
+    return any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
 
 
 def active_trackers() -> list[LiveStorageTracker]:

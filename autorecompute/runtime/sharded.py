@@ -17,10 +17,7 @@ from functools import partial
 
 import torch
 
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-from autorecompute.runtime.memory import active_trackers, tensor_bytes
+from autorecompute.runtime.memory import active_trackers, in_fake_step, tensor_bytes
 
 
 @dataclass
@@ -93,7 +90,7 @@ class ShardedUnit:
     def enter(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Before the unit's first op: FSDP2's pre-forward (all-gather, post-backward function on the inputs
         that need gradients). Returns the inputs the unit's ops read."""
-        if _in_fake_step():
+        if in_fake_step():     # (FSDP2's memory is played, no collective runs)
             if self is self.comm.first:
                 self.comm.reset()
             return self.simulated().enter(inputs)
@@ -102,14 +99,14 @@ class ShardedUnit:
 
     def exit(self, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """After the unit's last op: FSDP2's post-forward (reshard, pre-backward hooks on the outputs)."""
-        if _in_fake_step():
+        if in_fake_step():
             return self.simulated().exit(outputs)
         return tuple(self.state._post_forward(self.module, (), outputs))
 
     def parameter(self, index: int, placeholder: torch.Tensor) -> torch.Tensor:
         """The unit's ``index``-th parameter as its ops read it: FSDP2's all-gathered Parameter (the
         placeholder, storage-less or fake, stands for it where the step is played)."""
-        if _in_fake_step():
+        if in_fake_step():
             self.simulated().parameters[index] = placeholder
             return placeholder
         return self.fsdp_params[index].unsharded_param
@@ -134,11 +131,6 @@ class ShardedUnit:
 def is_sharded_call(node) -> bool:
     """Whether an FX node calls a unit's FSDP2 bracket (``enter`` / ``exit`` / ``parameter``)."""
     return getattr(node.target, "__func__", None) in _CALLS
-
-
-def _in_fake_step() -> bool:
-    """Whether a fake step runs (profiling, verifying): FSDP2's memory is played, no collective runs."""
-    return any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
 
 
 def _hold(nbytes: int) -> None:

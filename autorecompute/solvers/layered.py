@@ -10,8 +10,8 @@ as Rockmate and torchtitan's auto_perf_maxing do). So:
 2. **The menu** (:func:`menu`): block decisions (:class:`Template`) — keep-all, the block as one region,
    one region over each stretch of it (the MLP alone, all but the output...) or over all of it but one
    stretch, the block as two or three regions one after another (its backward then holds one part's tensors
-   at a time), its ops cheapest per byte recomputed wherever they are, what it holds stashed, every block's decisions in the plans given — and runs
-   of blocks recomputed as one region (√N's segments).
+   at a time), its ops cheapest per byte recomputed wherever they are, what it holds stashed, every block's
+   decisions in the plans given — and runs of blocks recomputed as one region (√N's segments).
 3. **Each entry measured** on the middle blocks in the memory model (:func:`measure`): what it saves
    while the blocks wait for their backward, the memory at their own forward and backward positions, its
    cost. Entries another beats at each of their own positions go; what is left of single blocks is tried
@@ -46,6 +46,7 @@ from autorecompute.solvers.segment_plans import per_block_plan
 SearchPlan = tuple[dict, dict]        # (op → Op or bool, activation → stash action), as greedy.SearchPlan
 MIN_BLOCKS = 4                        # fewer alike blocks are planned whole
 SAVING_STEPS = 16384                  # the DP's resolution in saved bytes over the whole stack
+NEVER = np.iinfo(np.int64).max // 4   # the DP's cost of a state not reached
 MAX_TIGHTENINGS = 4
 STASH_FRACTIONS = (0.1, 0.25, 0.5, 1.0)
 SELECTIVE_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.0)
@@ -281,7 +282,8 @@ def _selective(problem: Problem, block: tuple[str, ...]) -> list[Template]:
 
 
 def _grid(problem: Problem, block: tuple[str, ...]) -> tuple[int, list[bool]]:
-    """(the ops between two of the block's :data:`REGION_GRID` points, whether each of its ops is recomputable)."""
+    """(the ops between two of the block's :data:`REGION_GRID` points, whether each of its ops is
+    recomputable)."""
     return max(1, math.ceil(len(block) / REGION_GRID)), [op in problem.recomputable for op in block]
 
 
@@ -421,9 +423,6 @@ def choose(entries: list[Measured], own: list[np.ndarray], outside: np.ndarray, 
             break
         table.advance(j, budget, [move for move in moves if j + move[1] <= blocks], own_by_block[j])
     return _path(entries, table.cost[blocks], table.pick, table.came)
-
-
-NEVER = np.iinfo(np.int64).max // 4     # the cost of a state not reached
 
 
 class _Table:
