@@ -80,7 +80,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
             with _eager_mask_decisions(model, args, kwargs), _quiet_export_diagnostics(), \
                     _autograd_functions_applied() as functions, side_effects_recorded(model) as side_effects, \
                     _checkpoints_run() as checkpoints:
-                exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+                exported = _exported(model, args, kwargs)
         except Exception as exc:  # export raises many types; all mean "cannot capture"
             raise CaptureError(_capture_failure(model, exc)) from exc
         gm = exported.module()
@@ -270,15 +270,42 @@ def _refuse_cumulative_batch_norm(model: torch.nn.Module) -> None:
                 "around it and run it outside autorecompute.compile.")
 
 
+def _exported(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    """``torch.export``'s program of ``model``, its nodes without the stack traces export records (a fifth of
+    its time at depth, read only to name the user's line of a value-dependent shape): traced again with them
+    where it has such a shape (:func:`_refuse_data_dependent_shapes`)."""
+    with _stack_traces(False):
+        exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    if any(_depends_on_values(node) for node in exported.graph.nodes):
+        with _stack_traces(True):
+            exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    return exported
+
+
+@contextlib.contextmanager
+def _stack_traces(recorded: bool) -> Iterator[None]:
+    saved = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = not recorded
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = saved
+
+
+def _depends_on_values(node: torch.fx.Node) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and bool(free_unbacked_symbols(value))
+
+
 def _refuse_data_dependent_shapes(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
     """A tensor whose shape depends on values (boolean-mask indexing ``x[x > 0]``, ``masked_select``,
     ``nonzero``): its bytes are not known until the step runs, so no plan can bound them. torch.export traces
     it with a symbolic size, on which planning would fail with an untyped fake-tensor exception."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
     for node in gm.graph.nodes:
-        value = node.meta.get("val")
-        if isinstance(value, torch.Tensor) and free_unbacked_symbols(value):
+        if _depends_on_values(node):
+            value = node.meta["val"]
             where = _innermost_frame(node.meta.get("stack_trace") or "")
             raise CaptureError(
                 f"{type(model).__name__} makes a tensor whose shape depends on its values ({node.target}, shape "
