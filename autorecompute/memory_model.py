@@ -30,6 +30,8 @@ checks both on every assignment of small problems). Regions are the maximal runs
 """
 from __future__ import annotations
 
+import functools
+from collections import defaultdict
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Collection, Mapping, NamedTuple
@@ -237,7 +239,7 @@ def _holders(static: Indexed, i: int, region: list[int], ends: Mapping[int, int]
     return owner_region, bool(holding), saver_end >= 0, max(input_end, saver_end)
 
 
-def stash_valid(option, recompute: Mapping[str, bool], stashed: Stash | set[str]) -> bool:
+def stash_valid(option, recompute: Mapping[str, bool], stashed: Collection[str]) -> bool:
     """Whether what a stash ``option`` needs holds: the ops it needs are kept and the activations it needs
     are not stashed (``stashed``: the raw choices and what they deliver). Its activation must also be
     stashable (a kept saver packs it, no region holds it as an input: see :func:`effective_stash`)."""
@@ -270,20 +272,18 @@ def _regions(problem: Problem, recompute: Mapping[str, bool], stash: Stash | Non
 
 def _effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None, region: list[int],
                      ends: Mapping[int, int] | None, made: Mapping[int, int],
-                     only: Collection[str] | None = None) -> dict[str, str]:
-    """:func:`effective_stash` from the decisions' :func:`region_ids`, :func:`region_ends` and :func:`remakes`."""
+                     only: Collection[str] | None = None, taken: Mapping[str, int] | None = None) -> dict[str, str]:
+    """:func:`effective_stash` from the decisions' :func:`region_ids`, :func:`region_ends` and :func:`remakes`;
+    ``taken``: :func:`_taken` of ``stash``, where the caller has it."""
     if not stash:
         return {}
     static = _static(problem)
-    chosen = {name: option for name, action in stash.items()
-              if (option := problem.stash_option(name, action)) is not None}
-    taken: dict[str, int] = {}
-    for name, option in chosen.items():
-        for taken_name in (name, *option.delivers):
-            taken[taken_name] = taken.get(taken_name, 0) + 1
-    stashed = set(taken)
-    if only is not None:        # (what is taken counts every choice; only these are judged)
-        chosen = {name: chosen[name] for name in only if name in chosen}
+    if taken is None:
+        taken = _taken(problem, stash)
+    stashed = taken.keys()
+    # (what is taken counts every choice; only those named in ``only`` are judged)
+    names = stash.keys() if only is None else [name for name in only if name in stash]
+    chosen = {name: option for name in names if (option := problem.stash_option(name, stash[name])) is not None}
 
     def can_stash(i: int) -> bool:
         _, as_input, by_saver, _ = _holders(static, i, region, ends, made)
@@ -297,6 +297,16 @@ def _effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Sta
         if all(taken[d] == 1 and d in static.by_name and can_stash(static.by_name[d]) for d in option.delivers):
             effective[name] = stash[name]
     return effective
+
+
+def _taken(problem: Problem, stash: Stash) -> dict[str, int]:
+    """Activation → how many of the choices in ``stash`` take it (stash it, or deliver it)."""
+    taken: dict[str, int] = {}
+    for name, action in stash.items():
+        option = problem.stash_option(name, action)
+        for taken_name in (name, *option.delivers) if option is not None else ():
+            taken[taken_name] = taken.get(taken_name, 0) + 1
+    return taken
 
 
 def delivered(problem: Problem, effective: Mapping[str, str]) -> dict[str, object]:
@@ -322,10 +332,14 @@ class _Decided(NamedTuple):
 
 def _decided(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None) -> _Decided:
     region, ends, made, effective, ids = _regions(problem, recompute, stash)
-    positions = np.arange(len(region))
+    return _Decided(region, ends, made, effective, delivered(problem, effective), _region_last(ids), ids)
+
+
+def _region_last(ids: np.ndarray) -> list[int]:
+    """Per chain index, the last chain index of its op's region (its own index: kept)."""
+    positions = np.arange(len(ids))
     last = _per_region(ids, positions, ids >= 0, np.maximum, -1)
-    region_last = np.where(ids >= 0, last[np.maximum(ids, 0)] if len(last) else positions, positions)
-    return _Decided(region, ends, made, effective, delivered(problem, effective), region_last.tolist(), ids)
+    return np.where(ids >= 0, last[np.maximum(ids, 0)] if len(last) else positions, positions).tolist()
 
 
 def _pieces(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None = None):
@@ -385,8 +399,9 @@ class TimelineChanges:
     """Prices changes of one base plan: ``changes.change(plan)`` is ``memory_timeline(problem, *plan)`` less
     ``memory_timeline(problem, *base)`` for ``(recompute, stash)`` plans, with :func:`extra_cost`'s change
     besides, sized from the activations the change can touch — those an op whose region differs owns, reads
-    or saves, and those stashed differently — so the layered planner prices hundreds of one-block changes of
-    a base in a fraction of as many timelines' time.
+    or saves, and those stashed differently — with the stash choices judged again only where the change can
+    alter their effect, so the layered planner prices hundreds of one-block changes of a base in a fraction
+    of as many timelines' time.
 
     Example:
         >>> from autorecompute.problem import Activation, Problem
@@ -414,12 +429,12 @@ class TimelineChanges:
     def change(self, changed: tuple) -> tuple[np.ndarray, int]:
         """(the timeline's change, :func:`extra_cost`'s change)."""
         problem, before = self.problem, self.before
-        after = _decided(problem, *changed)
+        after, moved = self._after(changed)
         cost = _extra_cost(problem, after.ids, after.made, after.effective) - self.base_cost
         if before.made or after.made:
             return (np.asarray(memory_timeline(problem, *changed), dtype=np.int64)
                     - np.asarray(memory_timeline(problem, *self.base), dtype=np.int64)), cost
-        touched = tuple(self._touched(after))
+        touched = tuple(self._touched(after, moved))
         if touched not in self.before_bytes:
             self.before_bytes[touched] = _decided_bytes(problem, before, touched)
         delta = _decided_bytes(problem, after, touched) - self.before_bytes[touched]
@@ -427,16 +442,86 @@ class TimelineChanges:
             delta += _rng_state_bytes(problem, after) - self.before_rng
         return delta, cost
 
-    def _touched(self, after: _Decided) -> list[int]:
+    def _after(self, changed: tuple) -> tuple[_Decided, list[int]]:
+        """(``changed``'s :class:`_Decided`, the chain indices whose region differs from the base's). Its
+        stash choices are judged again only where the change can make them take effect or not
+        (:meth:`_affected`); the others do as in the base."""
+        problem, before = self.problem, self.before
+        recompute, stash = changed
+        ids = _region_array(problem, recompute)
+        made = remakes(problem, recompute, ids)
+        decided = _Decided(ids.tolist(), region_ends(problem, ids), made, {}, {}, _region_last(ids), ids)
+        first, last = _region_spans(decided)
+        moved = np.nonzero((first != self.spans[0]) | (last != self.spans[1]))[0].tolist()
+        if made or before.made or not stash:
+            effective = _effective_stash(problem, recompute, stash, decided.region, decided.ends, made)
+            return decided._replace(effective=effective, made_by=delivered(problem, effective)), moved
+        affected, taken = self._affected(stash, moved)
+        judged = _effective_stash(problem, recompute, stash, decided.region, decided.ends, made, affected, taken)
+        effective = {name: action for name, action in before.effective.items()
+                     if name not in affected and stash.get(name) == action}
+        made_by = dict(before.made_by)
+        for name in before.effective.keys() - effective.keys():
+            for gone in problem.stash_option(name, before.effective[name]).delivers:
+                del made_by[gone]
+        effective.update(judged)
+        made_by.update(delivered(problem, judged))
+        return decided._replace(effective=effective, made_by=made_by), moved
+
+    def _affected(self, stash: Stash, moved: list[int]) -> tuple[set[str], dict[str, int]]:
+        """(the choices of ``stash`` whose effect the change can alter, :func:`_taken` of ``stash``). Those
+        choices: of an activation (or one it delivers) an op at a ``moved`` index owns, reads or saves, or
+        needing kept an op there (whose region differs, as does that of an op recomputed in one plan only);
+        and, where the choices differ from the base's, the choices themselves and those sharing or needing
+        unstashed an activation they take."""
+        problem, base_stash = self.problem, self.base[1] or {}
+        touching, chain, by_activation, by_kept, by_unstashed, base_taken = _touching(problem), problem.chain, *self._by
+        acts = {problem.activations[i].name for k in moved for i in touching[k]}
+        differ = {name for name in stash.keys() | base_stash.keys() if stash.get(name) != base_stash.get(name)}
+        taken, retaken = dict(base_taken), set(differ)
+        for name in differ:
+            for action, count in ((base_stash.get(name), -1), (stash.get(name), 1)):
+                option = problem.stash_option(name, action)
+                for taken_name in (name, *option.delivers) if option is not None else ():
+                    taken[taken_name] = taken.get(taken_name, 0) + count
+                    retaken.add(taken_name)
+        affected = set(differ)
+        for a in acts | retaken:
+            affected |= by_activation.get(a, set())
+        for a in retaken:
+            affected |= by_unstashed.get(a, set())
+        for k in moved:
+            affected |= by_kept.get(chain[k], set())
+        return affected & stash.keys(), {name: count for name, count in taken.items() if count}
+
+    @functools.cached_property
+    def _by(self) -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, set[str]], dict[str, int]]:
+        """The base's stash choices by the activations they take (theirs and those they deliver), by the ops
+        they need kept and by the activations they need unstashed; and its :func:`_taken`."""
+        by_activation: dict[str, set[str]] = defaultdict(set)
+        by_kept: dict[str, set[str]] = defaultdict(set)
+        by_unstashed: dict[str, set[str]] = defaultdict(set)
+        stash = self.base[1] or {}
+        for name, action in stash.items():
+            option = self.problem.stash_option(name, action)
+            if option is None:
+                continue
+            for taken in (name, *option.delivers):
+                by_activation[taken].add(name)
+            for op in option.needs_kept:
+                by_kept[op].add(name)
+            for needed in option.needs_unstashed:
+                by_unstashed[needed].add(name)
+        return by_activation, by_kept, by_unstashed, _taken(self.problem, stash)
+
+    def _touched(self, after: _Decided, moved: list[int]) -> list[int]:
         before, touching = self.before, _touching(self.problem)
-        first, last = _region_spans(after)
-        changed = np.nonzero((first != self.spans[0]) | (last != self.spans[1]))[0].tolist()
         names = {n for n in before.effective.keys() | after.effective.keys()
                  if before.effective.get(n) != after.effective.get(n)}
         names |= {n for n in before.made_by.keys() | after.made_by.keys()
                   if before.made_by.get(n) != after.made_by.get(n)}
         by_name = _static(self.problem).by_name
-        return sorted({i for k in changed for i in touching[k]} | {by_name[n] for n in names if n in by_name})
+        return sorted({i for k in moved for i in touching[k]} | {by_name[n] for n in names if n in by_name})
 
 
 def _region_spans(decided: _Decided) -> tuple[np.ndarray, np.ndarray]:
