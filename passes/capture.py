@@ -284,12 +284,20 @@ def _exported(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export
 
 @contextlib.contextmanager
 def _stack_traces(recorded: bool) -> Iterator[None]:
-    saved = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = not recorded
+    """Export records node stack traces or not (always, on a torch without the switch)."""
+    try:
+        from torch.fx import config
+    except ImportError:
+        config = None
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    saved = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = not recorded
     try:
         yield
     finally:
-        torch.fx.config.do_not_emit_stack_traces = saved
+        config.do_not_emit_stack_traces = saved
 
 
 def _depends_on_values(node: torch.fx.Node) -> bool:
