@@ -456,10 +456,9 @@ class TimelineChanges:
         if made or before.made or not stash:
             effective = _effective_stash(problem, recompute, stash, decided.region, decided.ends, made)
             return decided._replace(effective=effective, made_by=delivered(problem, effective)), moved
-        affected, taken = self._affected(stash, moved)
+        affected, taken = self._affected(recompute, stash, moved)
         judged = _effective_stash(problem, recompute, stash, decided.region, decided.ends, made, affected, taken)
-        effective = {name: action for name, action in before.effective.items()
-                     if name not in affected and stash.get(name) == action}
+        effective = {name: action for name, action in before.effective.items() if name not in affected}
         made_by = dict(before.made_by)
         for name in before.effective.keys() - effective.keys():
             for gone in problem.stash_option(name, before.effective[name]).delivers:
@@ -468,17 +467,17 @@ class TimelineChanges:
         made_by.update(delivered(problem, judged))
         return decided._replace(effective=effective, made_by=made_by), moved
 
-    def _affected(self, stash: Stash, moved: list[int]) -> tuple[set[str], dict[str, int]]:
-        """(the choices of ``stash`` whose effect the change can alter, :func:`_taken` of ``stash``). Those
-        choices: of an activation (or one it delivers) an op at a ``moved`` index owns, reads or saves, or
-        needing kept an op there (whose region differs, as does that of an op recomputed in one plan only);
-        and, where the choices differ from the base's, the choices themselves and those sharing or needing
-        unstashed an activation they take."""
-        problem, base_stash = self.problem, self.base[1] or {}
-        touching, chain, by_activation, by_kept, by_unstashed, base_taken = _touching(problem), problem.chain, *self._by
+    def _affected(self, recompute: Mapping[str, bool], stash: Stash, moved: list[int]) \
+            -> tuple[set[str], dict[str, int]]:
+        """(the choices whose effect the change can alter, :func:`_taken` of ``stash``). Those choices: the
+        ones that differ from the base's; those of an activation (or one it delivers) an op at a ``moved``
+        index owns, reads or saves; those needing kept an op recomputed in one plan only; and those sharing,
+        or needing unstashed, an activation a differing choice takes."""
+        problem, base_recompute, base_stash, by = self.problem, self.base[0], self.base[1] or {}, self._by
+        touching = _touching(problem)
         acts = {problem.activations[i].name for k in moved for i in touching[k]}
         differ = {name for name in stash.keys() | base_stash.keys() if stash.get(name) != base_stash.get(name)}
-        taken, retaken = dict(base_taken), set(differ)
+        taken, retaken = dict(by.taken), set(differ)
         for name in differ:
             for action, count in ((base_stash.get(name), -1), (stash.get(name), 1)):
                 option = problem.stash_option(name, action)
@@ -486,18 +485,18 @@ class TimelineChanges:
                     taken[taken_name] = taken.get(taken_name, 0) + count
                     retaken.add(taken_name)
         affected = set(differ)
-        for a in acts | retaken:
-            affected |= by_activation.get(a, set())
-        for a in retaken:
-            affected |= by_unstashed.get(a, set())
-        for k in moved:
-            affected |= by_kept.get(chain[k], set())
-        return affected & stash.keys(), {name: count for name, count in taken.items() if count}
+        for name in acts | retaken:
+            affected |= by.activation.get(name, set())
+        for name in retaken:
+            affected |= by.unstashed.get(name, set())
+        for op, names in by.kept.items():
+            if bool(recompute.get(op)) != bool(base_recompute.get(op)):
+                affected |= names
+        return affected, {name: count for name, count in taken.items() if count}
 
     @functools.cached_property
-    def _by(self) -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, set[str]], dict[str, int]]:
-        """The base's stash choices by the activations they take (theirs and those they deliver), by the ops
-        they need kept and by the activations they need unstashed; and its :func:`_taken`."""
+    def _by(self) -> _BaseChoices:
+        """The base's stash choices indexed (:class:`_BaseChoices`)."""
         by_activation: dict[str, set[str]] = defaultdict(set)
         by_kept: dict[str, set[str]] = defaultdict(set)
         by_unstashed: dict[str, set[str]] = defaultdict(set)
@@ -512,7 +511,7 @@ class TimelineChanges:
                 by_kept[op].add(name)
             for needed in option.needs_unstashed:
                 by_unstashed[needed].add(name)
-        return by_activation, by_kept, by_unstashed, _taken(self.problem, stash)
+        return _BaseChoices(by_activation, by_kept, by_unstashed, _taken(self.problem, stash))
 
     def _touched(self, after: _Decided, moved: list[int]) -> list[int]:
         before, touching = self.before, _touching(self.problem)
@@ -522,6 +521,16 @@ class TimelineChanges:
                   if before.made_by.get(n) != after.made_by.get(n)}
         by_name = _static(self.problem).by_name
         return sorted({i for k in moved for i in touching[k]} | {by_name[n] for n in names if n in by_name})
+
+
+class _BaseChoices(NamedTuple):
+    """A base plan's stash choices by the activations they take (theirs and those they deliver), by the ops
+    they need kept and by the activations they need unstashed; and :func:`_taken` of them."""
+
+    activation: dict[str, set[str]]
+    kept: dict[str, set[str]]
+    unstashed: dict[str, set[str]]
+    taken: dict[str, int]
 
 
 def _region_spans(decided: _Decided) -> tuple[np.ndarray, np.ndarray]:

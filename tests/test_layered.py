@@ -4,6 +4,7 @@ within budget, with eager's gradients."""
 from __future__ import annotations
 
 import itertools
+import random
 import re
 
 import numpy as np
@@ -151,6 +152,32 @@ def test_a_menu_entry_changes_the_timeline_as_the_whole_memory_model_says(case):
             whole = np.asarray(memory_timeline(problem, *plan)) - np.asarray(memory_timeline(problem, *base.plan))
             assert delta.tolist() == whole.tolist()
             assert cost == extra_cost(problem, *plan) - extra_cost(problem, *base.plan)
+
+
+def test_any_change_of_a_base_is_priced_as_the_whole_memory_model_says():
+    """:class:`TimelineChanges` judges again only the stash choices a change can alter: on every base, random
+    changes — ops flipped (recomputable or not, in the blocks or outside), stash choices dropped, added or
+    swapped for another action — are priced as the whole memory model's difference."""
+    torch.manual_seed(0)
+    problem = _problem(models.llama(layers=4, batch=2, sequence=32))
+    planner = layered.planner_of(problem)
+    draw = random.Random(0)
+    options = [(name, option.action) for name, choices in sorted(problem.stash_options.items())
+               for option in choices]
+    for base in planner.bases:
+        changes = TimelineChanges(problem, base.plan)
+        for _ in range(25):
+            recompute, stash = dict(base.plan[0]), dict(base.plan[1] or {})
+            for op in draw.sample(problem.chain, 3):
+                recompute[op] = not recompute.get(op)
+            for name in draw.sample(sorted(stash), min(2, len(stash))):
+                del stash[name]
+            stash.update(draw.sample(options, 3))
+            delta, cost = changes.change((recompute, stash))
+            whole = np.asarray(memory_timeline(problem, recompute, stash)) \
+                - np.asarray(memory_timeline(problem, *base.plan))
+            assert delta.tolist() == whole.tolist()
+            assert cost == extra_cost(problem, recompute, stash) - extra_cost(problem, *base.plan)
 
 
 @pytest.mark.slow
