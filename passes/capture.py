@@ -79,11 +79,11 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
         try:
             with _eager_mask_decisions(model, args, kwargs), _quiet_export_diagnostics(), \
                     _autograd_functions_applied() as functions, side_effects_recorded(model) as side_effects, \
-                    _checkpoints_run() as checkpoints:
-                exported = _exported(model, args, kwargs)
+                    _checkpoints_run() as checkpoints, _stack_traces(recorded=False):
+                exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
         except Exception as exc:  # export raises many types; all mean "cannot capture"
             raise CaptureError(_capture_failure(model, exc)) from exc
-        gm = exported.module()
+        gm = _traced_where_refused(exported, model, args, kwargs).module()
         _share_state_with(gm, model)
     refuse_or_warn(model, side_effects)
     _refuse_reentrant_checkpoint(model, functions)
@@ -270,21 +270,25 @@ def _refuse_cumulative_batch_norm(model: torch.nn.Module) -> None:
                 "around it and run it outside autorecompute.compile.")
 
 
-def _exported(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    """``torch.export``'s program of ``model``, its nodes without the stack traces export records (a fifth of
-    its time at depth, read only to name the user's line of a value-dependent shape): traced again with them
-    where it has such a shape (:func:`_refuse_data_dependent_shapes`)."""
-    with _stack_traces(False):
-        exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
-    if any(_depends_on_values(node) for node in exported.graph.nodes):
-        with _stack_traces(True):
-            exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
-    return exported
+def _traced_where_refused(exported: torch.export.ExportedProgram, model: torch.nn.Module, args: tuple,
+                          kwargs: dict) -> torch.export.ExportedProgram:
+    """``exported``; where it has a shape that depends on values, which capture refuses naming the user's line
+    (:func:`_refuse_data_dependent_shapes`), the model traced again with the node stack traces capture leaves
+    out (a fifth of export's time at depth), its Python's effects not recorded a second time."""
+    nodes = exported.graph.nodes
+    if not any(_depends_on_values(node) for node in nodes) or any("stack_trace" in node.meta for node in nodes):
+        return exported
+    try:
+        with _eager_mask_decisions(model, args, kwargs), _quiet_export_diagnostics(), _stack_traces(recorded=True):
+            return torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    except Exception:  # noqa: BLE001 — the refusal follows either way; without traces it names no line
+        return exported
 
 
 @contextlib.contextmanager
 def _stack_traces(recorded: bool) -> Iterator[None]:
-    """Export records node stack traces or not (always, on a torch without the switch)."""
+    """FX tracing records node stack traces inside the block or not (always, on a torch without the switch).
+    The switch is torch's, for the process: a trace in another thread meanwhile follows it too."""
     try:
         from torch.fx import config
     except ImportError:
@@ -301,6 +305,7 @@ def _stack_traces(recorded: bool) -> Iterator[None]:
 
 
 def _depends_on_values(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s tensor has a size known only from values (an unbacked symbol)."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     value = node.meta.get("val")
