@@ -203,8 +203,9 @@ def _with_blocks(problem: Problem, stack: Stack, base: SearchPlan, templates: Ma
 def menu(problem: Problem, stack: Stack, plans: list[SearchPlan]) -> list[Segment]:
     """Segments worth pricing: for one block, keep-all, the block as one region, the block with all it holds
     stashed (:func:`_stashed`), one region over each stretch of it (:func:`_regions`), its cheapest ops per
-    byte recomputed wherever they are (:func:`_selective`) and every block's decisions in ``plans``; then runs of 2 to :data:`MAX_WIDTH` blocks recomputed as one region (√N's
-    segments: one input held for all of them). Distinct, in that order."""
+    byte recomputed wherever they are (:func:`_selective`) and every block's decisions in ``plans``; then runs
+    of 2 to :data:`MAX_WIDTH` blocks recomputed as one region (√N's segments: one input held for all of them).
+    Distinct, in that order."""
     block = stack.blocks[stack.middle]
     recomputable = [op in problem.recomputable for op in block]
     keep = Template(tuple(Op.KEEP for _ in block))
