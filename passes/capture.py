@@ -275,8 +275,8 @@ def _traced_where_refused(exported: torch.export.ExportedProgram, model: torch.n
     """``exported``; where it has a shape that depends on values, which capture refuses naming the user's line
     (:func:`_refuse_data_dependent_shapes`), the model traced again with the node stack traces capture leaves
     out (a fifth of export's time at depth), its Python's effects not recorded a second time."""
-    nodes = exported.graph.nodes
-    if not any(_depends_on_values(node) for node in nodes) or any("stack_trace" in node.meta for node in nodes):
+    refused = [node for node in exported.graph.nodes if _depends_on_values(node)]
+    if all(node.meta.get("stack_trace") for node in refused):
         return exported
     try:
         with _eager_mask_decisions(model, args, kwargs), _quiet_export_diagnostics(), _stack_traces(recorded=True):
