@@ -303,10 +303,16 @@ def _taken(problem: Problem, stash: Stash) -> dict[str, int]:
     """Activation → how many of the choices in ``stash`` take it (stash it, or deliver it)."""
     taken: dict[str, int] = {}
     for name, action in stash.items():
-        option = problem.stash_option(name, action)
-        for taken_name in (name, *option.delivers) if option is not None else ():
+        for taken_name in _takes(problem, name, action):
             taken[taken_name] = taken.get(taken_name, 0) + 1
     return taken
+
+
+def _takes(problem: Problem, name: str, action: str | None) -> tuple[str, ...]:
+    """The activations the choice ``action`` for ``name`` takes: its own and those it delivers (none where
+    ``name`` has no such option)."""
+    option = problem.stash_option(name, action)
+    return (name, *option.delivers) if option is not None else ()
 
 
 def delivered(problem: Problem, effective: Mapping[str, str]) -> dict[str, object]:
@@ -331,8 +337,20 @@ class _Decided(NamedTuple):
 
 
 def _decided(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None) -> _Decided:
-    region, ends, made, effective, ids = _regions(problem, recompute, stash)
-    return _Decided(region, ends, made, effective, delivered(problem, effective), _region_last(ids), ids)
+    return _judged(problem, recompute, stash, _laid_out(problem, recompute))
+
+
+def _laid_out(problem: Problem, recompute: Mapping[str, bool]) -> _Decided:
+    """The regions of the decisions, their ends and remakes, with no stash choice judged yet."""
+    ids = _region_array(problem, recompute)
+    return _Decided(ids.tolist(), region_ends(problem, ids), remakes(problem, recompute, ids), {}, {},
+                    _region_last(ids), ids)
+
+
+def _judged(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None, laid_out: _Decided) -> _Decided:
+    """``laid_out`` with the choices in ``stash`` that take effect there."""
+    effective = _effective_stash(problem, recompute, stash, laid_out.region, laid_out.ends, laid_out.made)
+    return laid_out._replace(effective=effective, made_by=delivered(problem, effective))
 
 
 def _region_last(ids: np.ndarray) -> list[int]:
@@ -448,16 +466,14 @@ class TimelineChanges:
         (:meth:`_affected`); the others do as in the base."""
         problem, before = self.problem, self.before
         recompute, stash = changed
-        ids = _region_array(problem, recompute)
-        made = remakes(problem, recompute, ids)
-        decided = _Decided(ids.tolist(), region_ends(problem, ids), made, {}, {}, _region_last(ids), ids)
+        decided = _laid_out(problem, recompute)
         first, last = _region_spans(decided)
         moved = np.nonzero((first != self.spans[0]) | (last != self.spans[1]))[0].tolist()
-        if made or before.made or not stash:
-            effective = _effective_stash(problem, recompute, stash, decided.region, decided.ends, made)
-            return decided._replace(effective=effective, made_by=delivered(problem, effective)), moved
+        if decided.made or before.made or not stash:
+            return _judged(problem, recompute, stash, decided), moved
         affected, taken = self._affected(recompute, stash, moved)
-        judged = _effective_stash(problem, recompute, stash, decided.region, decided.ends, made, affected, taken)
+        judged = _effective_stash(problem, recompute, stash, decided.region, decided.ends, decided.made, affected,
+                                  taken)
         effective = {name: action for name, action in before.effective.items() if name not in affected}
         made_by = dict(before.made_by)
         for name in before.effective.keys() - effective.keys():
@@ -480,8 +496,7 @@ class TimelineChanges:
         taken, retaken = dict(by.taken), set(differ)
         for name in differ:
             for action, count in ((base_stash.get(name), -1), (stash.get(name), 1)):
-                option = problem.stash_option(name, action)
-                for taken_name in (name, *option.delivers) if option is not None else ():
+                for taken_name in _takes(problem, name, action):
                     taken[taken_name] = taken.get(taken_name, 0) + count
                     retaken.add(taken_name)
         affected = set(differ)
@@ -505,7 +520,7 @@ class TimelineChanges:
             option = self.problem.stash_option(name, action)
             if option is None:
                 continue
-            for taken in (name, *option.delivers):
+            for taken in _takes(self.problem, name, action):
                 by_activation[taken].add(name)
             for op in option.needs_kept:
                 by_kept[op].add(name)
