@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autorecompute.memory_model import effective_stash, extra_cost, memory_timeline, predicted_peak
+from autorecompute.memory_model import effective_stash, extra_cost, memory_timeline, predicted_peak, rerun_ops
 from autorecompute.passes.build_problem import stash_options
 from autorecompute.passes.profile_records import TensorInfo
 from autorecompute.problem import Activation, Problem, StashOption
@@ -228,6 +228,39 @@ def test_local_search_never_raises_the_peak_and_returns_effective_choices(proble
     recompute, stash = greedy.lower_peak(problem, start)
     assert predicted_peak(problem, recompute, stash) <= predicted_peak(problem, *start)
     assert stash == effective_stash(problem, recompute, stash)
+
+
+def test_the_cost_local_search_drops_an_offload_the_budget_has_room_for():
+    """op0's output offloaded where the budget holds it on the device: the copy is all the plan pays for, and
+    the local search drops it (a layer menu's plan can offload more than its budget needs)."""
+    problem = two_layer(offload_cost=5, recompute_cost=3)
+    start = ({"op0": False, "op1": False}, {"t0": "offload"})
+    budget = predicted_peak(problem, start[0], {})
+    assert extra_cost(problem, *start) == 5
+    found = greedy.lower_cost(problem, budget, start)
+    assert found == ({"op0": False, "op1": False}, {})
+    assert extra_cost(problem, *found) == 0
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_problems(), st.data())
+def test_the_cost_local_search_over_every_action_keeps_the_budget_and_never_costs_more(problem, data):
+    """From any plan over every action that fits, ``greedy.lower_cost`` returns one that fits and costs no
+    more, with the choices that take effect; keeping an op it runs again, or dropping a stash choice, alone
+    no longer fits or saves nothing (its stopping rule, for the single changes)."""
+    decisions = list(all_decisions(problem))
+    peaks = [predicted_peak(problem, r, s) for r, s in decisions]
+    budget = sorted(peaks)[len(peaks) // 2]
+    start = data.draw(st.sampled_from([d for d, p in zip(decisions, peaks) if p <= budget]))
+    recompute, stash = greedy.lower_cost(problem, budget, start)
+    cost = extra_cost(problem, recompute, stash)
+    assert predicted_peak(problem, recompute, stash) <= budget
+    assert cost <= extra_cost(problem, *start)
+    assert stash == effective_stash(problem, recompute, stash)
+    singles = [({**recompute, op: False}, stash) for op in rerun_ops(problem, recompute)]
+    singles += [(recompute, {n: a for n, a in stash.items() if n != name}) for name in stash]
+    for single in singles:
+        assert predicted_peak(problem, *single) > budget or extra_cost(problem, *single) >= cost
 
 
 def test_windows_decide_the_gradients_their_ops_make():

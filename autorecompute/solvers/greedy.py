@@ -347,16 +347,18 @@ def descend(problem: Problem, budget: int, start: SearchPlan, max_tries: int = 1
 
 def lower_cost(problem: Problem, budget: int, start: SearchPlan, work: int = 2_000_000,
                window: int = KICK_WINDOW) -> SearchPlan:
-    """Local search for a cheaper plan under ``budget`` from one that fits: each op run again at a cost, the
-    dearest first, kept — alone where the plan still fits (as :func:`descend` does), or with one change near
-    where keeping it goes over the budget (an op toggled, a region cut placed or moved, a stash action set
-    or dropped) that makes it fit again at a lower cost — in passes until a pass changes nothing or ``work``
-    (evaluations × problem size: a count, not a clock) is spent.
+    """Local search for a cheaper plan under ``budget`` from one that fits: each thing the plan pays for, the
+    dearest first — an op run again, kept; a stash choice, dropped (the tensor held on the device) — undone
+    alone where the plan still fits (as :func:`descend` does), or with one change near where undoing it goes
+    over the budget (an op toggled, a region cut placed or moved, a stash action set or dropped) that makes it
+    fit again at a lower cost — in passes until a pass changes nothing or ``work`` (evaluations × problem
+    size: a count, not a clock) is spent.
 
     CP-SAT's cost solve on a long chain can stop where such a pair lowers the cost (a middle layer's query
     projection kept, the first layer's MLP norm scale recomputed to make room for it), and more CP-SAT time
-    from there need not find it. After each change the search starts again from the dearest op: a cheap op
-    kept first can take the room a dear one needs.
+    from there need not find it; a plan a layer menu offloads with room to spare holds tensors it need not
+    offload. After each change the search starts again from the dearest: a cheap choice undone first can take
+    the room a dear one needs.
 
     Example: four ops, each 100-B output saved by the next. Under 200 B, recomputing op1 and op2 fits at a
     cost of 6; keeping op2 alone goes over, and fits with op0 recomputed instead: a cost of 3.
@@ -382,13 +384,10 @@ def lower_cost(problem: Problem, budget: int, start: SearchPlan, work: int = 2_0
     changed = True
     while changed and tries > 0:
         changed = False
-        dearest = sorted({op for op in rerun_ops(problem, recompute) if problem.cost.get(op)},
-                         key=lambda op: (-problem.cost[op], index[op]))
-        for op in dearest:
+        for kind, name in _dearest_paid(problem, recompute, stash, owner, index):
             if tries <= 0:
                 break
-            was = recompute[op]
-            recompute[op] = False
+            undo = _stop_paying(recompute, stash, kind, name)
             timeline = memory_timeline(problem, recompute, stash)   # (it keeps the choices that take effect)
             tries -= 1
             over = [p for p, v in enumerate(timeline) if v > budget]
@@ -397,19 +396,44 @@ def lower_cost(problem: Problem, budget: int, start: SearchPlan, work: int = 2_0
                 if now < cost:
                     cost, changed = now, True
                     break
-                recompute[op] = was
+                undo()
                 continue
             moves = _moves_making_room(problem, recompute, stash, timeline, over, owner, index, window)
             now, tries = _first_cheaper_fit(problem, budget, recompute, stash, moves, cost, tries)
             if now is not None:
-                cost, changed = now, True
-            if not changed:
-                recompute[op] = was
-            else:
-                # from the dearest op again: a cheap op kept first can take the room a dear one needs
+                # from the dearest again: a cheap choice undone first can take the room a dear one needs
                 # (continuing the pass ends at a dearer plan)
+                cost, changed = now, True
                 break
+            undo()
+        if not changed and stash != (effective := effective_stash(problem, recompute, stash)):
+            # once more over the choices that take effect alone: dropping one may bring in another it shut out
+            # (a rematerialization that needs it on the device), where dropping both saves
+            stash, changed = dict(effective), True
     return recompute, effective_stash(problem, recompute, stash)
+
+
+def _dearest_paid(problem: Problem, recompute: dict, stash: dict, owner: dict[str, str],
+                  index: dict[str, int]) -> list[tuple[MoveKind, str]]:
+    """What a plan pays for, dearest first, as the change that stops paying: each op run again (kept: a
+    TOGGLE) and each stash choice that takes effect (dropped, the tensor held on the device: a STASH). Ties
+    in the order of the chain, a parameter's gradient (owned by no op) last."""
+    ops = [(problem.cost[op], index[op], MoveKind.TOGGLE, op)
+           for op in set(rerun_ops(problem, recompute)) if problem.cost.get(op)]
+    options = {name: problem.stash_option(name, action)
+               for name, action in effective_stash(problem, recompute, stash).items() if name in stash}
+    stashed = [(option.cost, index.get(owner.get(name), len(index)), MoveKind.STASH, name)
+               for name, option in options.items() if option.cost]
+    return [(kind, name) for _, _, kind, name in sorted(ops + stashed, key=lambda e: (-e[0], e[1], e[2].value))]
+
+
+def _stop_paying(recompute: dict, stash: dict, kind: MoveKind, name: str) -> Callable[[], None]:
+    """Keeps the op ``name`` (TOGGLE) or drops the stash choice of the activation ``name`` (STASH), in place;
+    returns what undoes it."""
+    table = recompute if kind is MoveKind.TOGGLE else stash
+    was = table[name]
+    _set(table, name, False if kind is MoveKind.TOGGLE else None)
+    return lambda: _set(table, name, was)
 
 
 def _moves_making_room(problem: Problem, recompute: dict, stash: dict, timeline: list[int], over: list[int],
