@@ -347,18 +347,18 @@ def descend(problem: Problem, budget: int, start: SearchPlan, max_tries: int = 1
 
 def lower_cost(problem: Problem, budget: int, start: SearchPlan, work: int = 2_000_000,
                window: int = KICK_WINDOW) -> SearchPlan:
-    """Local search for a cheaper plan under ``budget`` from one that fits: each thing the plan pays for, the
-    dearest first — an op run again, kept; a stash choice, dropped (the tensor held on the device) — undone
-    alone where the plan still fits (as :func:`descend` does), or with one change near where undoing it goes
-    over the budget (an op toggled, a region cut placed or moved, a stash action set or dropped) that makes it
-    fit again at a lower cost — in passes until a pass changes nothing or ``work`` (evaluations × problem
-    size: a count, not a clock) is spent.
+    """Local search for a cheaper plan under ``budget`` from one that fits, in passes over what the plan pays
+    for, the dearest first: an op run again (kept) and a stash choice (dropped, the tensor held on the device).
+    A pass undoes the first of them the plan still fits without, at a lower cost (as :func:`descend` does),
+    or, where none is, the first that fits again at a lower cost with one change near where undoing it goes
+    over the budget (an op toggled, a region cut placed or moved, a stash action set or dropped); passes run
+    until one changes nothing or ``work`` (evaluations × problem size: a count, not a clock) is spent. The
+    single undos come first because each costs one evaluation where a pair costs many.
 
     CP-SAT's cost solve on a long chain can stop where such a pair lowers the cost (a middle layer's query
     projection kept, the first layer's MLP norm scale recomputed to make room for it), and more CP-SAT time
     from there need not find it; a plan a layer menu offloads with room to spare holds tensors it need not
-    offload. After each change the search starts again from the dearest: a cheap choice undone first can take
-    the room a dear one needs.
+    offload. After each change the search starts again from the dearest.
 
     Example: four ops, each 100-B output saved by the next. Under 200 B, recomputing op1 and op2 fits at a
     cost of 6; keeping op2 alone goes over, and fits with op0 recomputed instead: a cost of 3.
@@ -381,36 +381,59 @@ def lower_cost(problem: Problem, budget: int, start: SearchPlan, work: int = 2_0
     index = problem.index()
     tries = max(1, work // (problem.num_positions + len(problem.activations)))
     cost = extra_cost(problem, recompute, stash)
-    changed = True
-    while changed and tries > 0:
-        changed = False
-        for kind, name in _dearest_paid(problem, recompute, stash, owner, index):
-            if tries <= 0:
-                break
-            undo = _stop_paying(recompute, stash, kind, name)
-            timeline = memory_timeline(problem, recompute, stash)   # (it keeps the choices that take effect)
-            tries -= 1
-            over = [p for p, v in enumerate(timeline) if v > budget]
-            if not over:
-                now = extra_cost(problem, recompute, stash)
-                if now < cost:
-                    cost, changed = now, True
-                    break
-                undo()
-                continue
+    while tries > 0:
+        paid = _dearest_paid(problem, recompute, stash, owner, index)
+        now, tries = _first_undone_alone(problem, budget, recompute, stash, paid, cost, tries)
+        if now is None:
+            now, tries = _first_undone_making_room(problem, budget, recompute, stash, paid, cost, tries,
+                                                   owner, index, window)
+        if now is not None:
+            cost = now
+            continue
+        effective = effective_stash(problem, recompute, stash)
+        if stash == effective:
+            break
+        # once more over the choices that take effect alone: dropping one may bring in another it shut out (a
+        # rematerialization that needs it on the device), where dropping both saves
+        stash = dict(effective)
+    return recompute, effective_stash(problem, recompute, stash)
+
+
+def _first_undone_alone(problem: Problem, budget: int, recompute: dict, stash: dict,
+                        paid: list[tuple[MoveKind, str]], cost: int, tries: int) -> tuple[int | None, int]:
+    """Undoes the first of ``paid`` after which the plan fits ``budget`` at less than ``cost`` (in place):
+    (its cost, or None when none does, and the tries left)."""
+    for kind, name in paid:
+        if tries <= 0:
+            break
+        undo = _stop_paying(recompute, stash, kind, name)
+        tries -= 1
+        if predicted_peak(problem, recompute, stash) <= budget \
+                and (now := extra_cost(problem, recompute, stash)) < cost:
+            return now, tries
+        undo()
+    return None, tries
+
+
+def _first_undone_making_room(problem: Problem, budget: int, recompute: dict, stash: dict,
+                              paid: list[tuple[MoveKind, str]], cost: int, tries: int, owner: dict[str, str],
+                              index: dict[str, int], window: int) -> tuple[int | None, int]:
+    """Undoes the first of ``paid`` that, going over ``budget``, fits again with one change near where it goes
+    over at less than ``cost`` (both in place): (that cost, or None when none does, and the tries left)."""
+    for kind, name in paid:
+        if tries <= 0:
+            break
+        undo = _stop_paying(recompute, stash, kind, name)
+        timeline = memory_timeline(problem, recompute, stash)   # (it keeps the choices that take effect)
+        tries -= 1
+        over = [p for p, v in enumerate(timeline) if v > budget]
+        if over:
             moves = _moves_making_room(problem, recompute, stash, timeline, over, owner, index, window)
             now, tries = _first_cheaper_fit(problem, budget, recompute, stash, moves, cost, tries)
             if now is not None:
-                # from the dearest again: a cheap choice undone first can take the room a dear one needs
-                # (continuing the pass ends at a dearer plan)
-                cost, changed = now, True
-                break
-            undo()
-        if not changed and stash != (effective := effective_stash(problem, recompute, stash)):
-            # once more over the choices that take effect alone: dropping one may bring in another it shut out
-            # (a rematerialization that needs it on the device), where dropping both saves
-            stash, changed = dict(effective), True
-    return recompute, effective_stash(problem, recompute, stash)
+                return now, tries
+        undo()
+    return None, tries
 
 
 def _dearest_paid(problem: Problem, recompute: dict, stash: dict, owner: dict[str, str],
