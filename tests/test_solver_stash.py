@@ -242,6 +242,34 @@ def test_the_cost_local_search_drops_an_offload_the_budget_has_room_for():
     assert extra_cost(problem, *found) == 0
 
 
+def test_the_cost_local_search_drops_a_choice_that_shuts_out_a_dearer_one():
+    """t1 offloaded shuts out t0's rematerialization (which needs t1 on the device): dropping t1 alone brings
+    that in at a higher cost; over the choices that take effect, dropping t1 saves all there is."""
+    problem = two_layer(offload_cost=5, recompute_cost=3)
+    problem = dataclasses.replace(problem, stash_options={
+        "t0": (StashOption("rematerialize", 0, 2, 4, 9, needs_unstashed=("t1",)),),
+        "t1": (StashOption("offload", 0, 3, 3, 5),)})
+    start = ({"op0": False, "op1": False}, {"t0": "rematerialize", "t1": "offload"})
+    assert effective_stash(problem, *start) == {"t1": "offload"}
+    assert extra_cost(problem, start[0], {"t0": "rematerialize"}) == 9
+    found = greedy.lower_cost(problem, predicted_peak(problem, start[0], {}), start)
+    assert found == ({"op0": False, "op1": False}, {})
+
+
+def test_the_cost_local_search_undoes_single_choices_before_pairs():
+    """t0's offload (the dearer) cannot go alone and no change makes room for it at a lower cost; t1's
+    can go alone. With work for three evaluations the single undos reach t1 before the pairs spend them."""
+    problem = two_layer(offload_cost=9, recompute_cost=50)
+    problem = dataclasses.replace(problem, stash_options={**problem.stash_options,
+                                                          "t1": (StashOption("offload", 0, 3, 3, 1),)})
+    start = ({"op0": False, "op1": False}, {"t0": "offload", "t1": "offload"})
+    budget = predicted_peak(problem, start[0], {"t0": "offload"})
+    assert predicted_peak(problem, start[0], {"t1": "offload"}) > budget
+    tries = 3 * (problem.num_positions + len(problem.activations))
+    found = greedy.lower_cost(problem, budget, start, work=tries)
+    assert found == ({"op0": False, "op1": False}, {"t0": "offload"})
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_problems(), st.data())
 def test_the_cost_local_search_over_every_action_keeps_the_budget_and_never_costs_more(problem, data):

@@ -352,8 +352,9 @@ def lower_cost(problem: Problem, budget: int, start: SearchPlan, work: int = 2_0
     A pass undoes the first of them the plan still fits without, at a lower cost (as :func:`descend` does),
     or, where none is, the first that fits again at a lower cost with one change near where undoing it goes
     over the budget (an op toggled, a region cut placed or moved, a stash action set or dropped); passes run
-    until one changes nothing or ``work`` (evaluations × problem size: a count, not a clock) is spent. The
-    single undos come first because each costs one evaluation where a pair costs many.
+    until one changes nothing with every stash choice taking effect, or ``work`` (evaluations × problem size: a
+    count, not a clock) is spent. The single undos come first because each costs one evaluation where a pair
+    costs many.
 
     CP-SAT's cost solve on a long chain can stop where such a pair lowers the cost (a middle layer's query
     projection kept, the first layer's MLP norm scale recomputed to make room for it), and more CP-SAT time
@@ -383,10 +384,10 @@ def lower_cost(problem: Problem, budget: int, start: SearchPlan, work: int = 2_0
     cost = extra_cost(problem, recompute, stash)
     while tries > 0:
         paid = _dearest_paid(problem, recompute, stash, owner, index)
-        now, tries = _first_undone_alone(problem, budget, recompute, stash, paid, cost, tries)
+        now, tries = _first_cheaper_fit(problem, budget, recompute, stash, paid, cost, tries)    # alone
         if now is None:
-            now, tries = _first_undone_making_room(problem, budget, recompute, stash, paid, cost, tries,
-                                                   owner, index, window)
+            now, tries = _first_undo_with_room(problem, budget, recompute, stash, paid, cost, tries, owner, index,
+                                               window)
         if now is not None:
             cost = now
             continue
@@ -399,31 +400,17 @@ def lower_cost(problem: Problem, budget: int, start: SearchPlan, work: int = 2_0
     return recompute, effective_stash(problem, recompute, stash)
 
 
-def _first_undone_alone(problem: Problem, budget: int, recompute: dict, stash: dict,
-                        paid: list[tuple[MoveKind, str]], cost: int, tries: int) -> tuple[int | None, int]:
-    """Undoes the first of ``paid`` after which the plan fits ``budget`` at less than ``cost`` (in place):
-    (its cost, or None when none does, and the tries left)."""
-    for kind, name in paid:
-        if tries <= 0:
-            break
-        undo = _stop_paying(recompute, stash, kind, name)
-        tries -= 1
-        if predicted_peak(problem, recompute, stash) <= budget \
-                and (now := extra_cost(problem, recompute, stash)) < cost:
-            return now, tries
-        undo()
-    return None, tries
-
-
-def _first_undone_making_room(problem: Problem, budget: int, recompute: dict, stash: dict,
-                              paid: list[tuple[MoveKind, str]], cost: int, tries: int, owner: dict[str, str],
-                              index: dict[str, int], window: int) -> tuple[int | None, int]:
-    """Undoes the first of ``paid`` that, going over ``budget``, fits again with one change near where it goes
+def _first_undo_with_room(problem: Problem, budget: int, recompute: dict, stash: dict, paid: list[Move],
+                          cost: int, tries: int, owner: dict[str, str], index: dict[str, int],
+                          window: int) -> tuple[int | None, int]:
+    """Makes the first of ``paid`` that, going over ``budget``, fits again with one change near where it goes
     over at less than ``cost`` (both in place): (that cost, or None when none does, and the tries left)."""
-    for kind, name in paid:
+    for move in paid:
         if tries <= 0:
             break
-        undo = _stop_paying(recompute, stash, kind, name)
+        undo = _apply(recompute, stash, *move)
+        if undo is None:
+            continue
         timeline = memory_timeline(problem, recompute, stash)   # (it keeps the choices that take effect)
         tries -= 1
         over = [p for p, v in enumerate(timeline) if v > budget]
@@ -437,26 +424,18 @@ def _first_undone_making_room(problem: Problem, budget: int, recompute: dict, st
 
 
 def _dearest_paid(problem: Problem, recompute: dict, stash: dict, owner: dict[str, str],
-                  index: dict[str, int]) -> list[tuple[MoveKind, str]]:
-    """What a plan pays for, dearest first, as the change that stops paying: each op run again (kept: a
-    TOGGLE) and each stash choice that takes effect (dropped, the tensor held on the device: a STASH). Ties
-    in the order of the chain, a parameter's gradient (owned by no op) last."""
-    ops = [(problem.cost[op], index[op], MoveKind.TOGGLE, op)
+                  index: dict[str, int]) -> list[Move]:
+    """What a plan pays for, dearest first, as the move that stops paying: each op run again kept (a TOGGLE)
+    and each stash choice that takes effect dropped (a STASH to None: the tensor held on the device). Ties in
+    the order of the chain (what no op of it owns, a parameter's gradient, last), a stash choice before an op,
+    then by name."""
+    ops = [(problem.cost[op], index[op], Move(MoveKind.TOGGLE, op))
            for op in set(rerun_ops(problem, recompute)) if problem.cost.get(op)]
-    options = {name: problem.stash_option(name, action)
-               for name, action in effective_stash(problem, recompute, stash).items() if name in stash}
-    stashed = [(option.cost, index.get(owner.get(name), len(index)), MoveKind.STASH, name)
-               for name, option in options.items() if option.cost]
-    return [(kind, name) for _, _, kind, name in sorted(ops + stashed, key=lambda e: (-e[0], e[1], e[2].value))]
-
-
-def _stop_paying(recompute: dict, stash: dict, kind: MoveKind, name: str) -> Callable[[], None]:
-    """Keeps the op ``name`` (TOGGLE) or drops the stash choice of the activation ``name`` (STASH), in place;
-    returns what undoes it."""
-    table = recompute if kind is MoveKind.TOGGLE else stash
-    was = table[name]
-    _set(table, name, False if kind is MoveKind.TOGGLE else None)
-    return lambda: _set(table, name, was)
+    stashed = [(problem.stash_option(name, action).cost, index.get(owner.get(name), len(index)),
+                Move(MoveKind.STASH, name, None))
+               for name, action in effective_stash(problem, recompute, stash).items()]
+    paid = [entry for entry in ops + stashed if entry[0]]
+    return [move for _, _, move in sorted(paid, key=lambda e: (-e[0], e[1], e[2].kind.value, e[2].name))]
 
 
 def _moves_making_room(problem: Problem, recompute: dict, stash: dict, timeline: list[int], over: list[int],
