@@ -19,7 +19,7 @@ from autorecompute.passes.build_problem import build_problem
 from autorecompute.passes.capture import capture
 from autorecompute.passes.profile import profile_step
 from autorecompute.search import Strategies
-from autorecompute.solvers import layered
+from autorecompute.solvers import cpsat, layered
 from autorecompute.solvers.segment_plans import per_block_plan
 from autorecompute.throughputs import CPU_DISK, counting_flops
 from harness import assert_bitwise_equal, measured_step, sqrt_n_rewrite
@@ -77,17 +77,40 @@ def test_the_layers_dynamic_programme_matches_brute_force(fraction):
     assert extra_cost(problem, *found) == _brute_force(problem, stack, templates, budget)
 
 
+@pytest.mark.parametrize("fraction", [0.2, 0.35, 0.5, 0.65, 0.8])
+def test_offloading_by_layers_costs_what_cp_sat_proves_least(fraction):
+    """Four alike blocks of eight Linear + Tanh, offloading only: each block's eight saved tensors cost one copy
+    apiece, so the least-cost plan offloads the fewest tensors whose absence fits the budget — a count per
+    block the budget sets, not a fixed share of the block. The layers' plan costs CP-SAT's proven optimum."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())])
+              for _ in range(4)]
+    case = models.Case("stack", torch.nn.Sequential(*blocks), (torch.randn(256, 32),))
+    problem = _problem(case, recompute=False, offload=CPU_DISK, offload_gradients=False)
+    planner = layered.ByLayers(problem, layered.find_stack(problem), [({}, {})])
+    unoptimized, lowest = predicted_peak(problem, {}), predicted_peak(problem, *planner.lowest())
+    budget = int(lowest + fraction * (unoptimized - lowest))
+    found = planner.cheapest(budget)
+    optimum = cpsat.solve(problem, budget=budget, time_limit=10)
+    assert optimum.status == "optimal"
+    assert found is not None and predicted_peak(problem, *found) <= budget
+    assert extra_cost(problem, *found) == extra_cost(problem, optimum.recompute, optimum.stash)
+
+
 @pytest.mark.slow
-def test_a_six_layer_decoder_is_planned_by_layers_within_budget_with_eagers_gradients():
+@pytest.mark.parametrize("actions", [None, ("recompute",)], ids=["default", "recompute"])
+def test_a_six_layer_decoder_is_planned_by_layers_within_budget_with_eagers_gradients(actions):
+    """With the default actions (on the CPU the least-time plan here offloads) and with recomputation alone."""
     case = models.llama(layers=6)
     model = case.model
     eager = measured_step(model, model, case.args, case.kwargs, seed=1)
-    compiled = autorecompute.compile(model, budget=0.6, loss_reserve=0)
+    knobs = {"actions": actions} if actions else {}
+    compiled = autorecompute.compile(model, budget=0.6, loss_reserve=0, **knobs)
     planned = measured_step(compiled, model, case.args, case.kwargs, seed=1)
     plan = compiled.plan
     assert plan.solver_status.startswith("feasible (by layers")
     assert planned.peak <= plan.budget < eager.peak
-    assert plan.count("recompute") > 0
+    assert plan.count("recompute") > 0 if actions else plan.count("recompute") + plan.count("offload") > 0
     assert_bitwise_equal(planned, eager)
 
 

@@ -48,7 +48,10 @@ MIN_BLOCKS = 4                        # fewer alike blocks are planned whole
 SAVING_STEPS = 16384                  # the DP's resolution in saved bytes over the whole stack
 NEVER = np.iinfo(np.int64).max // 4   # the DP's cost of a state not reached
 MAX_TIGHTENINGS = 4
-STASH_FRACTIONS = (0.1, 0.25, 0.5, 1.0)
+# a template's stash variants: its first k ranked tensors stashed, for every k up to this many (k spread evenly
+# over a block holding more): a block's share of the budget lands between counts, so coarse steps offload
+# more than it needs or leave it to recomputation
+STASH_STEPS = 16
 SELECTIVE_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.0)
 REGION_GRID = 14                      # a block's regions in the menu begin and end at one of this many points
 MAX_WIDTH = 8                         # the most blocks one region of the menu spans
@@ -234,7 +237,7 @@ def _stashed(problem: Problem, stack: Stack, template: Template) -> list[Templat
 
 
 def _stash_variants(problem: Problem, stack: Stack, template: Template) -> list[Template]:
-    """``template`` with the first :data:`STASH_FRACTIONS` of its block's stashable tensors stashed, ranked by
+    """``template`` with the first k of its block's stashable tensors stashed (:data:`STASH_STEPS`), ranked by
     the cost per byte of their cheapest single-op option (a rematerialization of a cheap op first, an offload
     last); and with chains of cheap ops made again, each delivering the tensors on its way (a GELU's
     intermediates from its input), the rest stashed the least-memory way (:func:`greedy.stash_chains`)."""
@@ -251,8 +254,8 @@ def _stash_variants(problem: Problem, stack: Stack, template: Template) -> list[
             ranked.append((option.cost / max(1, act.nbytes - option.stored_bytes), name, option.action))
     ranked.sort()
     variants = []
-    for fraction in STASH_FRACTIONS:
-        chosen = {name: action for _, name, action in ranked[:max(1, round(fraction * len(ranked)))]}
+    for count in sorted({max(1, round(step * len(ranked) / STASH_STEPS)) for step in range(1, STASH_STEPS + 1)}):
+        chosen = {name: action for _, name, action in ranked[:count]}
         variants.append(template_of(stack, m, (recompute, effective_stash(problem, recompute, chosen))))
     if ranked:      # (the block's choices among the whole model's: a chain may reach across its edges)
         chains = stash_chains(problem, recompute, only=stack.activations[m].values())
