@@ -256,6 +256,14 @@ def effective_stash(problem: Problem, recompute: Mapping[str, bool], stash: Stas
     return _regions(problem, recompute, stash, only=only)[3] if stash else {}
 
 
+def effective_stashes(problem: Problem, recompute: Mapping[str, bool], stashes: list[Stash]) -> list[dict[str, str]]:
+    """:func:`effective_stash` of each of ``stashes`` under one ``recompute``: its regions laid out once."""
+    if not any(stashes):
+        return [{} for _ in stashes]
+    region, ends, made, _, _ = _regions(problem, recompute, None)
+    return [_effective_stash(problem, recompute, stash, region, ends, made) for stash in stashes]
+
+
 def _regions(problem: Problem, recompute: Mapping[str, bool], stash: Stash | None, ends_needed: bool = True,
              only: Collection[str] | None = None) \
         -> tuple[list[int], dict[int, int] | None, dict[int, int], dict[str, str], np.ndarray]:

@@ -37,7 +37,7 @@ from typing import Mapping
 import numpy as np
 
 from autorecompute.decisions import Op
-from autorecompute.memory_model import (TimelineChanges, effective_stash, extra_cost, memory_timeline,
+from autorecompute.memory_model import (TimelineChanges, effective_stashes, extra_cost, memory_timeline,
                                          predicted_peak)
 from autorecompute.problem import Problem
 from autorecompute.solvers.greedy import lowest_start as greedy_lowest_start, stash_all, stash_chains
@@ -50,8 +50,8 @@ NEVER = np.iinfo(np.int64).max // 4   # the DP's cost of a state not reached
 MAX_TIGHTENINGS = 4
 # a template's stash variants: its first k ranked tensors stashed, for every k up to this many (k spread evenly
 # over a block holding more): a block's share of the budget lands between counts, so coarse steps offload
-# more than it needs or leave it to recomputation
-STASH_STEPS = 16
+# more than it needs or leave it to recomputation; each step is measured on every base
+STASH_STEPS = 8
 SELECTIVE_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.0)
 REGION_GRID = 14                      # a block's regions in the menu begin and end at one of this many points
 MAX_WIDTH = 8                         # the most blocks one region of the menu spans
@@ -253,10 +253,9 @@ def _stash_variants(problem: Problem, stack: Stack, template: Template) -> list[
             option = min(options, key=lambda o: o.cost / max(1, act.nbytes - o.stored_bytes))
             ranked.append((option.cost / max(1, act.nbytes - option.stored_bytes), name, option.action))
     ranked.sort()
-    variants = []
-    for count in sorted({max(1, round(step * len(ranked) / STASH_STEPS)) for step in range(1, STASH_STEPS + 1)}):
-        chosen = {name: action for _, name, action in ranked[:count]}
-        variants.append(template_of(stack, m, (recompute, effective_stash(problem, recompute, chosen))))
+    counts = sorted({max(1, round(step * len(ranked) / STASH_STEPS)) for step in range(1, STASH_STEPS + 1)})
+    chosen = [{name: action for _, name, action in ranked[:count]} for count in counts]
+    variants = [template_of(stack, m, (recompute, stash)) for stash in effective_stashes(problem, recompute, chosen)]
     if ranked:      # (the block's choices among the whole model's: a chain may reach across its edges)
         chains = stash_chains(problem, recompute, only=stack.activations[m].values())
         variants.append(template_of(stack, m, (recompute, chains)))
@@ -360,17 +359,42 @@ def _measured_at(stack: Stack, width: int) -> int:
     return max(0, min(stack.middle - width // 2, len(stack.blocks) - width))
 
 
-def _own_peaks(stack: Stack, timeline: np.ndarray, entry: Measured) -> np.ndarray:
-    """For each first block, the highest memory of its segment's own positions with ``entry``, the blocks
-    before it keeping all (none where the segment runs past the last block)."""
-    forward, backward = np.asarray(entry.forward_delta), np.asarray(entry.backward_delta)
-    peaks = np.full(len(stack.blocks), 2 ** 60, dtype=np.int64)
-    for j in range(len(stack.blocks) - entry.width + 1):
-        (fa, fb), (ba, bb) = _own_spans(stack, j, entry.width)
-        to_forward, to_backward = stack.position_maps(j, entry.width)
-        peaks[j] = max((timeline[fa:fb + 1] + forward[to_forward]).max(),
-                       (timeline[ba:bb + 1] + backward[to_backward]).max())
-    return peaks
+def _own_peaks(stack: Stack, timeline: np.ndarray, entries: list[Measured]) -> list[np.ndarray]:
+    """For each entry, for each first block, the highest memory of its segment's own positions with the entry,
+    the blocks before it keeping all (none where the segment runs past the last block)."""
+    positions = {width: _OwnPositions.made(stack, timeline, width) for width in {e.width for e in entries}}
+    return [positions[e.width].peaks(e) for e in entries]
+
+
+@dataclass(frozen=True)
+class _OwnPositions:
+    """The own positions of a segment of one width from each first block that fits (rows): the timeline's
+    memory there and the index of the measured position each stands for (:meth:`Stack.position_maps`),
+    forward then backward, each row padded with its last position (a repeat leaves its maximum as it is)."""
+
+    memory: np.ndarray          # [first block, k]: the timeline at the k-th own position
+    at: np.ndarray              # [first block, k]: its index into an entry's forward then backward deltas
+    blocks: int
+
+    @classmethod
+    def made(cls, stack: Stack, timeline: np.ndarray, width: int) -> "_OwnPositions":
+        measured = _measured_at(stack, width)
+        forward_length = stack.forward[measured + width - 1][1] - stack.forward[measured][0] + 1
+        rows = []
+        for j in range(len(stack.blocks) - width + 1):
+            (fa, fb), (ba, bb) = _own_spans(stack, j, width)
+            to_forward, to_backward = stack.position_maps(j, width)
+            rows.append((np.r_[fa:fb + 1, ba:bb + 1], np.concatenate([to_forward, to_backward + forward_length])))
+        length = max(len(positions) for positions, _ in rows)
+        positions = np.stack([np.pad(p, (0, length - len(p)), mode="edge") for p, _ in rows])
+        at = np.stack([np.pad(a, (0, length - len(a)), mode="edge") for _, a in rows])
+        return cls(timeline[positions], at, len(stack.blocks))
+
+    def peaks(self, entry: Measured) -> np.ndarray:
+        delta = np.asarray(entry.forward_delta + entry.backward_delta, dtype=np.int64)
+        peaks = np.full(self.blocks, 2 ** 60, dtype=np.int64)
+        peaks[:len(self.memory)] = (self.memory + delta[self.at]).max(axis=1)
+        return peaks
 
 
 def _aligned(positions, pairs: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> np.ndarray:
@@ -500,7 +524,7 @@ class _Base:
             entries = candidates + [measure(problem, stack, changes, (stashed,)) for e in candidates if e.width == 1
                                     for stashed in _stash_variants(problem, stack, e.segment[0])]
             candidates = [entries[i] for i in _undominated(entries, _profiles(entries))]
-        own = [_own_peaks(stack, timeline, e) for e in entries]
+        own = _own_peaks(stack, timeline, entries)
         kept = _undominated(entries, own)
         base = cls(plan, timeline, [entries[i] for i in kept], [own[i] for i in kept],
                    _outside_peaks(problem, stack, timeline))
@@ -579,10 +603,12 @@ def _undominated(entries: list[Measured], profiles: list[np.ndarray]) -> list[in
     peaks = np.stack(profiles)
     kept = [0]
     for i in range(1, len(entries)):
-        as_good = (width == width[i]) & (saving >= saving[i]) & (cost <= cost[i]) & (peaks <= peaks[i]).all(axis=1)
-        same = (saving == saving[i]) & (cost == cost[i]) & (peaks == peaks[i]).all(axis=1)
-        as_good[i] = False
-        if not (as_good & (~same | (np.arange(len(entries)) < i))).any():
+        # (the profiles compared only where the scalars allow: a few rivals of thousands of entries)
+        rivals = np.nonzero((width == width[i]) & (saving >= saving[i]) & (cost <= cost[i]))[0]
+        rivals = rivals[rivals != i]
+        below = (peaks[rivals] <= peaks[i]).all(axis=1)
+        same = (saving[rivals] == saving[i]) & (cost[rivals] == cost[i]) & (peaks[rivals] == peaks[i]).all(axis=1)
+        if not (below & (~same | (rivals < i))).any():
             kept.append(i)
     return kept
 
