@@ -601,11 +601,14 @@ def _undominated(entries: list[Measured], profiles: list[np.ndarray]) -> list[in
     saving = np.array([e.saving for e in entries])
     cost = np.array([e.cost for e in entries])
     peaks = np.stack(profiles)
+    # rival[i, j]: entry j as wide as i, saving as much, costing as little; the profiles are compared only
+    # there (a few rivals of the thousand or so entries)
+    rival = (width[None, :] == width[:, None]) & (saving[None, :] >= saving[:, None]) \
+        & (cost[None, :] <= cost[:, None])
+    np.fill_diagonal(rival, False)
     kept = [0]
     for i in range(1, len(entries)):
-        # (the profiles compared only where the scalars allow: a few rivals of thousands of entries)
-        rivals = np.nonzero((width == width[i]) & (saving >= saving[i]) & (cost <= cost[i]))[0]
-        rivals = rivals[rivals != i]
+        rivals = np.flatnonzero(rival[i])
         below = (peaks[rivals] <= peaks[i]).all(axis=1)
         same = (saving[rivals] == saving[i]) & (cost[rivals] == cost[i]) & (peaks[rivals] == peaks[i]).all(axis=1)
         if not (below & (~same | (rivals < i))).any():
