@@ -126,6 +126,9 @@ class Strategies:
     hint_status: str | None = None
     # budgets below this multiple of the minimum-peak start get the minimum-peak solve first (None: NEAR_MINIMUM)
     near_minimum: float | None = None
+    # the start verified while CP-SAT runs (False: after the refinements, and only where it is still the plan:
+    # with no solve to overlap, verifying a start a refinement replaces costs a whole fake step)
+    verify_start_while_solving: bool = True
 
     @classmethod
     def by_layers(cls) -> "Strategies":
@@ -134,7 +137,8 @@ class Strategies:
         search; no model of every op."""
         return cls(lowest_start=layered.lowest_start, solve=not_solved, lower_peak=polish_peak,
                    segment_start=layered.cheapest_under, hint_status="feasible (by layers)", near_minimum=1.0,
-                   refinements=(Refinement("feasible (by layers, local search)", polish_cost, must_fit=False),))
+                   refinements=(Refinement("feasible (by layers, local search)", polish_cost, must_fit=False),),
+                   verify_start_while_solving=False)
 
 
 def fits_cheaper(problem: Problem, budget: int, plan: SearchPlan, than: SearchPlan) -> bool:
@@ -278,12 +282,13 @@ class Search:
         hint = segments or self.strategies.descend(problem, internal, self.lowest.decisions)
         # the hint is verified on the other core while CP-SAT (which releases the GIL) tries to beat it
         with ThreadPoolExecutor(max_workers=1) as pool:
-            hint_verified = pool.submit(self.in_thread, self.verify, hint)
+            hint_verified = pool.submit(self.in_thread, self.verify, hint) \
+                if self.strategies.verify_start_while_solving else None
             result = self.strategies.solve(problem, budget=internal, minimize="cost", time_limit=self.time_limit,
                                            seed=self.seed, hint=hint[0], hint_stash=hint[1], progress=self.progress,
                                            zero_flops_first=self.objective == "flops")
             best, status = self._better_of(hint, result, internal)
-            module, peak = hint_verified.result()
+            module, peak = hint_verified.result() if hint_verified else (None, None)
         self.cost_time += result.wall_time
         if status != "optimal":
             started = time.perf_counter()
@@ -293,7 +298,7 @@ class Search:
             self.cost_time += time.perf_counter() - started
         cost = extra_cost(problem, *best)
         gap = 0.0 if status == "optimal" else max(0.0, (cost - result.bound) / cost) if cost else 0.0
-        if best is not hint:
+        if best is not hint or module is None:
             module, peak = self.verify(best)
         model_peak = predicted_peak(problem, *best)
         log.info("cost solve under %s: %s, %s in the model, %s measured (%.1f s so far)", format_bytes(internal),

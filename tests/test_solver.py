@@ -413,6 +413,29 @@ def test_the_cost_local_search_keeps_an_op_with_one_change_that_makes_room():
     assert predicted_peak(p, found) <= 200 and extra_cost(p, found) == brute == 3
 
 
+@pytest.mark.parametrize("while_solving", [True, False])
+def test_without_a_solve_to_overlap_only_the_plan_returned_is_verified(while_solving):
+    """A search whose start a refinement replaces (planning by layers: its DP's plan, then the local search)
+    verifies the start meanwhile only where a solve runs beside it; else it verifies the refined plan alone,
+    one fake step instead of two. The plan is the same either way."""
+    p = chain_problem(4, nbytes=100)
+    start = ({"op0": True, "op1": True, "op2": True}, {})
+    cheaper = ({"op0": False, "op1": True, "op2": True}, {})
+    verified = []
+
+    def verify(decisions):
+        verified.append(decisions)
+        return object(), predicted_peak(p, *decisions)
+    strategies = search.Strategies(
+        solve=search.not_solved, segment_start=lambda problem, budget: start,
+        refinements=(search.Refinement("refined", lambda round_: cheaper),),
+        verify_start_while_solving=while_solving)
+    found = search.Search(p, budget=200, baseline=300, unplanned=object(), verify=verify, time_limit=1.0,
+                          strategies=strategies, progress=False).run()
+    assert found.decisions == cheaper and found.status == "refined" and found.peak <= 200
+    assert verified == ([start, cheaper] if while_solving else [cheaper])
+
+
 def _finds_nothing(*args, **kwargs) -> cpsat.SolverResult:
     """CP-SAT's full model within its limit on a deep chain: no solution."""
     return cpsat.SolverResult(None, "unknown", float("inf"), 0.0, float("inf"), 0.0)
