@@ -155,18 +155,17 @@ dominate, the layers' plans run 0.05–0.46× per-layer checkpointing's extra FL
 **With the default settings** (rows *by layers, default settings*: recompute and offload, least time, no
 knob turned): the plan offloads what is dearest to recompute — on the CPU to the disk tier, priced at
 8 GB/s each way and 40 µs a copy (the CI machine's page cache moves 9–15 GB/s for tensors of 256 KiB and
-more) — and runs no extra FLOPs on GPT-2 up to 24 layers, 0.01× √N's at 48 (7–104 MiB offloaded), and 0.32 /
-0.00 / 0.05 / 0.03× √N's on Llama at 6 / 12 / 24 / 48 layers: the goal is met but for 6-layer Llama, where the
-two plans the cost model weighs are within its error of each other: the plan (3 MLP regions, 45 ops run again,
-35 tensors offloaded) is priced at 6.83 ms a step, offloading alone at 7.07 (65 tensors). Measured over 151
-interleaved steps in slow minutes (eager's step 20.6 ms), the plan takes +9.25 ms over eager and offloading
-alone +8.90: its copies alone +5.64 (priced 3.93), its recomputation alone +3.78 (priced 2.90); in a quiet
-minute (eager 15.3 ms) the plans the search made before it undid single choices first (priced 7.09 / 7.54 ms)
-took +7.52 / +7.18, each part priced within 5%. Offloading alone measures 4–9% faster where it is priced 3.5%
-dearer: a difference the cost model cannot call on a machine whose speed varies by half from minute to minute.
-The measured step takes 0.71–0.90× √N's time on GPT-2 and 0.83–0.96× on Llama (median of 31 interleaved steps,
-offload copies included), within the same budget; priced at 4 GB/s the 12-layer Llama's plan recomputed 0.47× √N's FLOPs
-and its step measured 1.09× this one's.
+more) — and runs no extra FLOPs on either model at any depth (7–104 MiB offloaded): the goal (≤ 0.25× √N's
+extra FLOPs) is met with room. The layers' menu offers each entry with the first k of the block's tensors
+stashed, cheapest per byte first, an eighth of them more at a time (every k for a block of eight or fewer):
+the share of the budget a block must free lands between coarser steps, and with a tenth, a quarter, half or
+all of them the DP offloaded more than a block needed or made part of it again instead — on the 6-layer
+Llama 3 MLP regions (45 ops run again, 0.32× √N's extra FLOPs) beside 35 copies, priced 6.83 ms a step,
+where the eighths give 58 copies and nothing run again, priced 6.52 ms (every k up to 16: 57 copies,
+6.44 ms, for a fifth more entries to measure; CP-SAT over windows of the chain, 9 s more: 55 copies, 6.28 ms).
+The measured step takes 0.61–0.83× √N's time on GPT-2 and 0.82–0.91× on Llama (median of 31 interleaved
+steps, offload copies included), within the same budget; priced at 4 GB/s the 12-layer Llama's plan
+recomputed 0.47× √N's FLOPs and its step measured 1.09× this one's.
 
 **Reading it (the whole-model rows).** Every plan measures within its budget at every depth. GPT-2 stays well ahead of √N
 (no extra FLOPs at its peak up to 6 layers, 0.04× at 12). Llama less so: 0.48× √N's extra FLOPs with 3 layers,
