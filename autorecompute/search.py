@@ -280,7 +280,8 @@ class Search:
         problem = self.problem
         segments = self.strategies.segment_start(problem, internal)
         hint = segments or self.strategies.descend(problem, internal, self.lowest.decisions)
-        # the hint is verified on the other core while CP-SAT (which releases the GIL) tries to beat it
+        # the hint is verified on the other core while CP-SAT (which releases the GIL) tries to beat it, where the
+        # strategies ask for it
         with ThreadPoolExecutor(max_workers=1) as pool:
             hint_verified = pool.submit(self.in_thread, self.verify, hint) \
                 if self.strategies.verify_start_while_solving else None

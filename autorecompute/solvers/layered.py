@@ -50,7 +50,7 @@ NEVER = np.iinfo(np.int64).max // 4   # the DP's cost of a state not reached
 MAX_TIGHTENINGS = 4
 # a template's stash variants: its first k ranked tensors stashed, for every k up to this many (k spread evenly
 # over a block holding more): a block's share of the budget lands between counts, so coarse steps offload
-# more than it needs or leave it to recomputation; each step is measured on every base
+# more than it needs or leave it to recomputation; each step is one entry more per template to measure
 STASH_STEPS = 8
 SELECTIVE_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.0)
 REGION_GRID = 14                      # a block's regions in the menu begin and end at one of this many points
